@@ -1,0 +1,32 @@
+"""``python -m extproc``: run the ext_proc service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from extproc.service import serve
+from extproc.settings import SettingsError, load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except SettingsError as exc:
+        print(f"python -m extproc: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Admin HTTP API: /busy_threshold, /metrics, /health, /ready, /debug/workers."""

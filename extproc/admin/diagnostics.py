@@ -1,0 +1,124 @@
+"""``GET /debug/workers``: per worker and rank, what the decision sees and why.
+
+Answers "I set a threshold and never see 529": for every configured check
+that cannot fire on a rank, it names the missing prerequisite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.busy import DECODE, PREFILL, PREFILL_FRAC
+from extproc.datastore import Rank, Worker, WorkerPool
+
+STALE_LOAD_SECONDS = 5.0
+
+
+def _age(now: float, t: float | None) -> float | None:
+    return None if t is None else round(now - t, 3)
+
+
+def _inactive(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str, str]:
+    th = pool.thresholds_for(worker.model)
+    out: dict[str, str] = {}
+    if th.active_decode_blocks is not None:
+        if not pool.kv_mode:
+            out[DECODE] = "router mode is not kv: decode-block checks run only in kv mode"
+        elif not worker.kv_total(rank):
+            out[DECODE] = "no kv_total_blocks (0 or not reported in config or load)"
+    if th.active_prefill_tokens_frac is not None and not worker.max_num_batched_tokens:
+        out[PREFILL_FRAC] = "no max_num_batched_tokens in the worker's config"
+    configured = [
+        name for name, value in th.as_dict().items() if value is not None and name not in out
+    ]
+    if configured:
+        if rank.reported_at is None and not rank.inflight:
+            reason = "no load events from this rank and no requests in flight"
+        elif rank.reported_at is not None and now - rank.reported_at > STALE_LOAD_SECONDS:
+            reason = f"no load events for {now - rank.reported_at:.0f} s"
+        else:
+            reason = ""
+        if reason:
+            for name in configured:
+                out[name] = reason
+    return out
+
+
+def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str, Any]:
+    limits = rank.limits
+    return {
+        "dp_rank": rank.index,
+        "reported": {
+            "active_decode_blocks": rank.reported_blocks,
+            "active_prefill_tokens": rank.reported_prefill,
+            "kv_total_blocks": rank.reported_kv_total,
+            "age_s": _age(now, rank.reported_at),
+        },
+        "router_estimate": {
+            "requests_in_flight": rank.inflight,
+            "active_decode_blocks": rank.est_blocks,
+            "active_prefill_tokens": rank.est_prefill,
+        },
+        "effective": {
+            "active_decode_blocks": rank.decode_blocks,
+            "active_prefill_tokens": rank.prefill_tokens,
+            "kv_total_blocks": worker.kv_total(rank),
+        },
+        "busy_limits": {
+            DECODE: limits.decode_blocks,
+            PREFILL: limits.prefill_tokens,
+            PREFILL_FRAC: limits.prefill_tokens_frac,
+        },
+        "has_load_data": rank.has_data,
+        "busy": rank.has_data and rank.busy_reason is not None,
+        "fired": rank.busy_reason if rank.has_data else None,
+        "cannot_fire": _inactive(pool, worker, rank, now),
+    }
+
+
+def worker_view(pool: WorkerPool, worker: Worker, now: float) -> dict[str, Any]:
+    ranks = [_rank(pool, worker, r, now) for r in worker.ranks]
+    state = worker.state(now) if worker.configured else "not_routable"
+    if state == "busy":
+        why = "every rank with load data is busy: " + ", ".join(
+            f"rank {r['dp_rank']}: {r['fired']}" for r in ranks if r["has_load_data"]
+        )
+    elif state == "overloaded":
+        why = (
+            f"worker-side rejection; skipped for {worker.overloaded_until - now:.2f} s "
+            "more or until its next load report"
+        )
+    elif state == "not_routable":
+        why = "load received but no config event yet"
+    elif not any(r["has_load_data"] for r in ranks):
+        why = "no load data at all: a worker without data is free"
+    else:
+        why = "at least one rank with load data is free"
+    return {
+        "worker_id": worker.worker_id,
+        "model": worker.model or None,
+        "endpoint": worker.endpoint or None,
+        "worker_type": worker.worker_type,
+        "dp_size": worker.dp_size,
+        "kv_total_blocks": worker.kv_total_blocks,
+        "block_size": worker.block_size,
+        "max_num_batched_tokens": worker.max_num_batched_tokens,
+        "state": state,
+        "why": why,
+        "last_seen_age_s": _age(now, worker.last_seen),
+        "last_load_age_s": _age(now, worker.last_load_at),
+        "expires_in_s": round(worker.last_seen + pool.worker_ttl - now, 3),
+        "thresholds": pool.thresholds_for(worker.model).as_dict() if worker.model else None,
+        "ranks": ranks,
+    }
+
+
+def workers_view(pool: WorkerPool) -> dict[str, Any]:
+    now = pool.clock()
+    return {
+        "router_mode_kv": pool.kv_mode,
+        "track_output_blocks": pool.track_output_blocks,
+        "worker_ttl_s": pool.worker_ttl,
+        "counts": pool.counts(),
+        "workers": [worker_view(pool, w, now) for w in pool.workers.values()],
+    }

@@ -1,0 +1,1 @@
+"""The event plane: worker load events over ZeroMQ (SPEC §3)."""

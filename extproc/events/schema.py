@@ -1,0 +1,159 @@
+"""Wire format of worker load events, in one place.
+
+Each ZeroMQ message is two frames, ``[topic, payload]``. The payload is a
+msgpack map, or JSON when its first byte is ``{``. Maps carry ``"v": 1``; a
+missing ``v`` reads as 1. Unknown keys are ignored; a missing optional key
+means "not reported". Integers must be integers: ``true`` or ``60.0`` is a
+wrong type, and the whole message is dropped.
+
+Publishers encode with :func:`encode`; the subscriber decodes with
+:func:`decode`, which either returns a typed event or raises
+:class:`EventRejected` carrying a drop reason for metrics.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+WIRE_VERSION = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+TOPIC_CONFIG = b"config"
+TOPIC_LOAD = b"load"
+TOPIC_BYE = b"bye"
+
+
+class ConfigEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """Registration, runtime config and heartbeat of one worker."""
+
+    worker_id: WorkerId
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    endpoint: Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+    kv_total_blocks: NonNegInt | None = None
+    block_size: PosInt | None = None
+    max_num_batched_tokens: PosInt | None = None
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+    worker_type: Literal["decode", "prefill"] | None = None
+    v: int = WIRE_VERSION
+
+
+class LoadEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """ActiveLoad of one data-parallel rank of one worker."""
+
+    worker_id: WorkerId
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] | None = None
+    active_decode_blocks: NonNegInt | None = None
+    active_prefill_tokens: NonNegInt | None = None
+    kv_total_blocks: NonNegInt | None = None
+    seq: int | None = None
+    v: int = WIRE_VERSION
+
+
+class ByeEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """The worker leaves now (graceful shutdown)."""
+
+    worker_id: WorkerId
+    v: int = WIRE_VERSION
+
+
+Event = Union[ConfigEvent, LoadEvent, ByeEvent]
+
+
+class EventRejected(Exception):
+    """A message that is dropped whole; ``reason`` labels the drop metric."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# Drop reasons (values of extproc_events_dropped_total{reason}).
+DROP_FRAMES = "bad_frames"
+DROP_UNKNOWN_TOPIC = "unknown_topic"
+DROP_ENCODING = "bad_encoding"
+DROP_SCHEMA = "bad_schema"
+DROP_VERSION = "bad_version"
+DROP_ENDPOINT = "bad_endpoint"
+DROP_NOT_ALLOWED = "endpoint_not_allowed"
+DROP_REASONS = (
+    DROP_FRAMES,
+    DROP_UNKNOWN_TOPIC,
+    DROP_ENCODING,
+    DROP_SCHEMA,
+    DROP_VERSION,
+    DROP_ENDPOINT,
+    DROP_NOT_ALLOWED,
+)
+
+_TYPES: dict[bytes, type[ConfigEvent] | type[LoadEvent] | type[ByeEvent]] = {
+    TOPIC_CONFIG: ConfigEvent,
+    TOPIC_LOAD: LoadEvent,
+    TOPIC_BYE: ByeEvent,
+}
+_MSGPACK = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
+_JSON = {t: msgspec.json.Decoder(cls) for t, cls in _TYPES.items()}
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 host in brackets); raise ValueError if invalid."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or port_text[0] == "0":
+        raise ValueError(f"endpoint {endpoint!r} is not host:port")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"endpoint {endpoint!r}: port {port} is outside 1-65535")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"endpoint {endpoint!r}: unclosed IPv6 bracket")
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"endpoint {endpoint!r}: {host} is not an IPv6 address") from None
+        return host[1:-1], port
+    if ":" in host or any(c.isspace() for c in host) or "/" in host:
+        raise ValueError(f"endpoint {endpoint!r}: bad host {host!r} (IPv6 needs brackets)")
+    return host, port
+
+
+def decode(topic: bytes, payload: bytes) -> Event:
+    """Decode and validate one message; raise EventRejected to drop it."""
+    decoders = _JSON if payload[:1] == b"{" else _MSGPACK
+    decoder = decoders.get(topic)
+    if decoder is None:
+        raise EventRejected(DROP_UNKNOWN_TOPIC, f"topic {topic[:64]!r}")
+    try:
+        event = decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise EventRejected(DROP_SCHEMA, str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise EventRejected(DROP_ENCODING, str(exc)) from None
+    if event.v != WIRE_VERSION:
+        raise EventRejected(DROP_VERSION, f"v={event.v!r}, expected {WIRE_VERSION}")
+    if type(event) is ConfigEvent:
+        try:
+            parse_endpoint(event.endpoint)
+        except ValueError as exc:
+            raise EventRejected(DROP_ENDPOINT, str(exc)) from None
+    return event
+
+
+def encode(event: Event) -> list[bytes]:
+    """The two frames ``[topic, msgpack payload]`` of an event, unset keys omitted."""
+    if type(event) is ConfigEvent:
+        topic = TOPIC_CONFIG
+    elif type(event) is LoadEvent:
+        topic = TOPIC_LOAD
+    else:
+        topic = TOPIC_BYE
+    fields = {
+        k: getattr(event, k) for k in event.__struct_fields__ if getattr(event, k) is not None
+    }
+    return [topic, _msgpack_encoder.encode(fields)]

@@ -1,0 +1,96 @@
+"""The ZeroMQ SUB socket: receive worker events, validate, apply to the pool.
+
+Binds (default ``tcp://127.0.0.1:5557``) and/or connects. Messages from one
+publisher are applied in the order received. A malformed message is dropped
+and counted by reason; nothing a publisher sends can stop the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiozmq
+import zmq
+
+from extproc.datastore import WorkerPool
+from extproc.events.schema import DROP_FRAMES, EventRejected, decode
+from extproc.metrics import Metrics
+
+log = logging.getLogger("extproc.events")
+
+
+class EventBindError(RuntimeError):
+    """The SUB socket could not bind or connect; the message names the endpoint."""
+
+
+class _SubProtocol(aiozmq.ZmqProtocol):  # type: ignore[misc]
+    def __init__(self, sink: EventSubscriber) -> None:
+        self.sink = sink
+
+    def msg_received(self, data: list[bytes]) -> None:  # type: ignore[override]
+        self.sink.on_message(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.sink.closed.set()
+
+
+class EventSubscriber:
+    """Owns the SUB socket and turns frames into pool updates."""
+
+    def __init__(self, pool: WorkerPool, metrics: Metrics, rcvhwm: int = 200_000) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.rcvhwm = rcvhwm
+        self.closed = asyncio.Event()
+        self._transport: Any = None
+        self._lost_reported = 0
+        self.endpoints: list[str] = []
+
+    async def start(self, bind: list[str], connect: list[str]) -> None:
+        self._transport, _ = await aiozmq.create_zmq_connection(lambda: _SubProtocol(self), zmq.SUB)
+        tr = self._transport
+        tr.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        tr.setsockopt(zmq.LINGER, 0)
+        tr.subscribe(b"")
+        for endpoint in bind:
+            try:
+                self.endpoints.append(await tr.bind(endpoint))
+            except Exception as exc:
+                tr.close()
+                raise EventBindError(f"cannot bind event socket to {endpoint}: {exc}") from None
+        for endpoint in connect:
+            try:
+                await tr.connect(endpoint)
+            except Exception as exc:
+                tr.close()
+                raise EventBindError(f"cannot connect event socket to {endpoint}: {exc}") from None
+
+    def on_message(self, frames: list[bytes]) -> None:
+        m = self.metrics
+        try:
+            if len(frames) != 2:
+                raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
+            topic = frames[0]
+            event = decode(topic, frames[1])
+            self.pool.apply(event)
+        except EventRejected as exc:
+            m.dropped[exc.reason].inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("dropped event: %s", exc)
+            return
+        except Exception:  # never let one message stop the subscriber
+            log.exception("unexpected error applying an event; dropped")
+            m.dropped["bad_schema"].inc()
+            return
+        m.topic[topic.decode()].inc()
+        lost = self.pool.events_lost
+        if lost != self._lost_reported:
+            m.events_lost.inc(lost - self._lost_reported)
+            self._lost_reported = lost
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None

@@ -1,0 +1,327 @@
+"""The ext_proc gRPC handler: one stream per HTTP request, thin over the decision core.
+
+Flow for an inference request (POST /v1/chat/completions, /v1/completions,
+/v1/embeddings, /v1/responses): request headers (continue) -> buffered request
+body (parse, decide: route or local reply) -> response headers (turn a
+worker-side rejection into the overload reply). The router's estimate for the
+request is released when the stream ends, whatever ended it.
+
+Replies that do not depend on the request are serialized once; the routing
+reply is serialized once per worker endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.datastore import Ticket, Worker, WorkerPool
+from extproc.metrics import Metrics
+from extproc.openai_request import INFERENCE_PATHS, BadRequest, parse_body
+from extproc.overload import error_body, reason_phrase
+from extproc.scheduling import Outcome, Scheduler
+
+log = logging.getLogger("extproc.handler")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+_PM = processing_mode_pb2.ProcessingMode
+
+
+def _serialize(msg: ep.ProcessingResponse) -> bytes:
+    return msg.SerializeToString()
+
+
+def _header(key: str, value: str | bytes) -> base_pb2.HeaderValue:
+    raw = value if isinstance(value, bytes) else value.encode()
+    return base_pb2.HeaderValue(key=key, raw_value=raw)
+
+
+def immediate(
+    status: int, body: bytes, headers: dict[str, str] | None = None, details: str = ""
+) -> bytes:
+    """A serialized local reply: status, JSON body, content-type and extra headers."""
+    mutation = base_pb2.HeaderValueOption
+    set_headers = [mutation(header=_header("content-type", "application/json"))]
+    for k, v in (headers or {}).items():
+        set_headers.append(mutation(header=_header(k, v)))
+    return _serialize(
+        ep.ProcessingResponse(
+            immediate_response=ep.ImmediateResponse(
+                status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+                headers=ep.HeaderMutation(set_headers=set_headers),
+                body=body,
+                details=details,
+            )
+        )
+    )
+
+
+def routing_reply(endpoint: str) -> bytes:
+    """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header."""
+    meta = struct_pb2.Struct()
+    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    return _serialize(
+        ep.ProcessingResponse(
+            request_body=ep.BodyResponse(
+                response=ep.CommonResponse(
+                    header_mutation=ep.HeaderMutation(
+                        set_headers=[
+                            base_pb2.HeaderValueOption(
+                                header=_header(DESTINATION_HEADER, endpoint),
+                                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                            )
+                        ]
+                    )
+                )
+            ),
+            dynamic_metadata=meta,
+        )
+    )
+
+
+_CONTINUE_REQUEST_HEADERS = _serialize(ep.ProcessingResponse(request_headers=ep.HeadersResponse()))
+_CONTINUE_REQUEST_BODY = _serialize(ep.ProcessingResponse(request_body=ep.BodyResponse()))
+_CONTINUE_RESPONSE_HEADERS = _serialize(
+    ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+)
+_CONTINUE_RESPONSE_BODY = _serialize(ep.ProcessingResponse(response_body=ep.BodyResponse()))
+_CONTINUE_REQUEST_TRAILERS = _serialize(
+    ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+)
+_CONTINUE_RESPONSE_TRAILERS = _serialize(
+    ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+)
+# Pass-through paths: drop a client-supplied destination header, stop processing.
+_PASSTHROUGH = _serialize(
+    ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+            )
+        ),
+        mode_override=_PM(
+            request_body_mode=_PM.NONE,
+            response_header_mode=_PM.SKIP,
+            response_body_mode=_PM.NONE,
+            request_trailer_mode=_PM.SKIP,
+            response_trailer_mode=_PM.SKIP,
+        ),
+    )
+)
+_NO_WORKERS = immediate(503, error_body("Service temporarily unavailable", 503))
+_MODEL_NOT_FOUND = immediate(404, error_body("Model not found", 404))
+_INTERNAL_ERROR = immediate(
+    500, error_body("Internal error in the load-shedding processor", 500), details="extproc_error"
+)
+_CONTINUES = {
+    "request_headers": _CONTINUE_REQUEST_HEADERS,
+    "request_body": _CONTINUE_REQUEST_BODY,
+    "response_headers": _CONTINUE_RESPONSE_HEADERS,
+    "response_body": _CONTINUE_RESPONSE_BODY,
+    "request_trailers": _CONTINUE_REQUEST_TRAILERS,
+    "response_trailers": _CONTINUE_RESPONSE_TRAILERS,
+}
+
+
+def _header_value(h: Any) -> str:
+    return h.raw_value.decode("latin-1") if h.raw_value else h.value
+
+
+class _Stream:
+    """Per-request state of one ext_proc stream."""
+
+    __slots__ = ("done", "endpoint_label", "model", "ticket", "worker")
+
+    def __init__(self) -> None:
+        self.endpoint_label: str | None = None
+        self.model = ""
+        self.ticket: Ticket | None = None
+        self.worker: Worker | None = None
+        self.done = False
+
+
+class ExtProcHandler:
+    """Decides each request from the pool; never does I/O on the decision path."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        *,
+        overload_status: int = 529,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.overload_status = overload_status
+        self.clock = clock
+        body = error_body("Service temporarily overloaded", overload_status)
+        self._overloaded = {
+            s: immediate(overload_status, body, {"retry-after": str(s)}) for s in range(1, 61)
+        }
+        self._type = reason_phrase(overload_status)
+        self._models_reply: tuple[tuple[str, ...], bytes] | None = None
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    self.process,
+                    request_deserializer=ep.ProcessingRequest.FromString,
+                    response_serializer=lambda b: b,
+                )
+            },
+        )
+
+    async def process(
+        self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        st = _Stream()
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("request")
+                try:
+                    if kind == "request_body":
+                        reply = self._on_request_body(st, req.request_body)
+                    elif kind == "request_headers":
+                        reply = self._on_request_headers(st, req.request_headers)
+                    elif kind == "response_headers":
+                        reply = self._on_response_headers(st, req.response_headers)
+                    elif kind == "response_body":
+                        reply = self._on_response_body(st, req.response_body)
+                    else:
+                        reply = _CONTINUES.get(kind or "", _CONTINUE_REQUEST_HEADERS)
+                except Exception:
+                    log.exception("error handling ext_proc %s message", kind)
+                    reply = (
+                        _INTERNAL_ERROR
+                        if kind and kind.startswith("request")
+                        else (_CONTINUES.get(kind or "", _CONTINUE_RESPONSE_HEADERS))
+                    )
+                yield reply
+        finally:
+            if st.ticket is not None:
+                self.pool.release(st.ticket)
+
+    # ----- request phase ---------------------------------------------------------------
+
+    def _on_request_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
+        method = path = ""
+        for h in msg.headers.headers:
+            key = h.key
+            if key == ":path":
+                path = _header_value(h)
+            elif key == ":method":
+                method = _header_value(h)
+        path = path.split("?", 1)[0]
+        label = INFERENCE_PATHS.get(path) if method == "POST" else None
+        if label is None:
+            if method in ("GET", "HEAD") and path == "/v1/models" and self.pool.by_model:
+                self.metrics.outcome["passthrough"].inc()
+                return self._models()
+            self.metrics.outcome["passthrough"].inc()
+            return _PASSTHROUGH
+        st.endpoint_label = label
+        if msg.end_of_stream:
+            return self._bad_request("Request body is empty; expected a JSON object")
+        return _CONTINUE_REQUEST_HEADERS
+
+    def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
+        if st.endpoint_label is None:
+            # Headers were not sent to us (per-route SKIP); nothing to decide on.
+            return _CONTINUE_REQUEST_BODY
+        started = self.clock()
+        try:
+            request = parse_body(msg.body)
+        except BadRequest as exc:
+            return self._bad_request(str(exc))
+        st.model = model = request.model
+        outcome, worker, rank = self.scheduler.pick(model)
+        m = self.metrics
+        if outcome is Outcome.ROUTED:
+            assert worker is not None and rank is not None
+            st.ticket = self.pool.dispatch(worker, rank, request.prompt_tokens)
+            st.worker = worker
+            reply = worker.route_cache
+            if reply is None:
+                reply = worker.route_cache = routing_reply(worker.endpoint)
+        elif outcome is Outcome.OVERLOADED:
+            m.rejections.labels(model, st.endpoint_label).inc()
+            reply = self._overloaded[self.pool.retry_after(model)]
+        elif outcome is Outcome.NO_WORKERS:
+            reply = _NO_WORKERS
+        else:
+            reply = _MODEL_NOT_FOUND
+        m.outcome[outcome.value].inc()
+        m.decision_seconds.observe(self.clock() - started)
+        return reply
+
+    def _bad_request(self, message: str) -> bytes:
+        self.metrics.outcome["bad_request"].inc()
+        return immediate(400, error_body(message, 400))
+
+    def _models(self) -> bytes:
+        models = tuple(self.pool.models())
+        cached = self._models_reply
+        if cached is None or cached[0] != models:
+            import json
+
+            body = json.dumps(
+                {
+                    "object": "list",
+                    "data": [{"id": m, "object": "model", "owned_by": "extproc"} for m in models],
+                },
+                separators=(",", ":"),
+            ).encode()
+            cached = self._models_reply = (models, immediate(200, body))
+        return cached[1]
+
+    # ----- response phase ---------------------------------------------------------------
+
+    def _on_response_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
+        worker = st.worker
+        if worker is None:
+            return _CONTINUE_RESPONSE_HEADERS
+        status = 0
+        flagged = False
+        for h in msg.headers.headers:
+            key = h.key
+            if key == ":status":
+                status = int(_header_value(h) or 0)
+            elif key == WORKER_OVERLOADED_HEADER:
+                flagged = _header_value(h).strip() == "1"
+        if (flagged and not 200 <= status < 300) or status == 529:
+            self.pool.mark_overloaded(worker)
+            self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
+            if st.ticket is not None:
+                self.pool.release(st.ticket)
+            return self._overloaded[1]
+        if msg.end_of_stream and st.ticket is not None:
+            self.pool.release(st.ticket)
+        return _CONTINUE_RESPONSE_HEADERS
+
+    def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
+        ticket = st.ticket
+        if ticket is not None:
+            body = msg.body
+            tokens = body.count(b"data:") - body.count(b"data: [DONE]")
+            if tokens > 0:
+                self.pool.generated(ticket, tokens)
+            if msg.end_of_stream:
+                self.pool.release(ticket)
+        return _CONTINUE_RESPONSE_BODY

@@ -1,0 +1,83 @@
+"""Pick a free worker for a model, or say why none can take the request.
+
+Works on the pool's current flags; no I/O. ``kv`` mode takes the least-loaded
+free rank: KV utilisation (blocks / total; raw blocks when the total is
+unknown) first, then active prefill tokens; a rank with no data counts as 0.
+Ties go to the next worker in rotation so equal workers share the load.
+"""
+
+from __future__ import annotations
+
+import random
+from enum import Enum
+
+from extproc.datastore import Rank, Worker, WorkerPool
+
+
+class Outcome(str, Enum):
+    ROUTED = "routed"
+    OVERLOADED = "overloaded"
+    NO_WORKERS = "no_workers"
+    MODEL_NOT_FOUND = "model_not_found"
+
+
+def _rank_key(worker: Worker, rank: Rank) -> tuple[float, int]:
+    blocks = rank.decode_blocks or 0
+    total = worker.kv_total(rank)
+    return (blocks / total if total else float(blocks), rank.prefill_tokens or 0)
+
+
+def _best_rank(worker: Worker) -> Rank:
+    ranks = worker.ranks
+    if len(ranks) == 1:
+        return ranks[0]
+    best: Rank | None = None
+    best_key: tuple[float, int] = (0.0, 0)
+    for rank in ranks:
+        if rank.has_data and rank.busy_reason is not None:
+            continue
+        key = _rank_key(worker, rank)
+        if best is None or key < best_key:
+            best, best_key = rank, key
+    return best if best is not None else ranks[0]
+
+
+class Scheduler:
+    """Stateful only for rotation; everything else is read from the pool."""
+
+    def __init__(self, pool: WorkerPool, mode: str = "kv", rng: random.Random | None = None):
+        self.pool = pool
+        self.mode = mode
+        self._turn = 0
+        self._rng = rng or random.Random()
+
+    def pick(self, model: str) -> tuple[Outcome, Worker | None, Rank | None]:
+        workers = self.pool.by_model.get(model)
+        if not workers:
+            if self.pool.by_model:
+                return Outcome.MODEL_NOT_FOUND, None, None
+            return Outcome.NO_WORKERS, None, None
+        now = self.pool.clock()
+        n = len(workers)
+        self._turn = turn = (self._turn + 1) % 1_000_000_007
+        if self.mode == "kv":
+            best: Worker | None = None
+            best_rank: Rank | None = None
+            best_key: tuple[float, int] = (0.0, 0)
+            start = turn % n
+            for i in range(n):
+                w = workers[(start + i) % n]
+                if w.busy or now < w.overloaded_until:
+                    continue
+                rank = _best_rank(w)
+                key = _rank_key(w, rank)
+                if best is None or key < best_key:
+                    best, best_rank, best_key = w, rank, key
+            if best is None:
+                return Outcome.OVERLOADED, None, None
+            return Outcome.ROUTED, best, best_rank
+        free = [w for w in workers if not w.busy and now >= w.overloaded_until]
+        if not free:
+            return Outcome.OVERLOADED, None, None
+        w = free[turn % len(free)] if self.mode == "round-robin" else self._rng.choice(free)
+        return Outcome.ROUTED, w, _best_rank(w)

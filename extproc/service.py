@@ -1,0 +1,138 @@
+"""Wire the parts together and run them on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from aiohttp import web
+
+from extproc.admin.app import Readiness, build_app
+from extproc.allowlist import WorkerAllowList
+from extproc.busy import BusyThresholds
+from extproc.datastore import WorkerPool
+from extproc.events.subscriber import EventBindError, EventSubscriber
+from extproc.handler import ExtProcHandler
+from extproc.metrics import Metrics
+from extproc.scheduling import Scheduler
+from extproc.settings import Settings, all_startup_warnings
+
+log = logging.getLogger("extproc")
+
+# Envoy pings its HTTP/2 upstreams (connection_keepalive); grpc-python's defaults
+# answer frequent pings on idle connections with GOAWAY "too_many_pings".
+GRPC_SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_concurrent_streams", 100_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def build_pool(settings: Settings) -> WorkerPool:
+    return WorkerPool(
+        BusyThresholds(
+            settings.active_decode_blocks_threshold,
+            settings.active_prefill_tokens_threshold,
+            settings.active_prefill_tokens_threshold_frac,
+        ),
+        kv_mode=settings.kv_mode,
+        track_output_blocks=settings.router_track_output_blocks,
+        worker_ttl=settings.worker_ttl,
+        allow=WorkerAllowList.from_entries(settings.worker_allow),
+    )
+
+
+async def _sweep(pool: WorkerPool, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        for worker_id in pool.expire():
+            log.info("worker %s removed: silent for more than %.1fs", worker_id, pool.worker_ttl)
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
+    """Run until ``stop`` is set or SIGINT/SIGTERM; returns the exit code."""
+    for warning in all_startup_warnings(settings):
+        log.warning(warning)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    pool = build_pool(settings)
+    metrics = Metrics()
+    metrics.attach(pool)
+    readiness = Readiness()
+
+    runner = web.AppRunner(build_app(pool, metrics, readiness), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.admin_host, settings.admin_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error(
+            "cannot listen for the admin API on %s:%s: %s",
+            settings.admin_host,
+            settings.admin_port,
+            exc,
+        )
+        await runner.cleanup()
+        return 1
+
+    subscriber = EventSubscriber(pool, metrics)
+    try:
+        await subscriber.start(settings.event_bind, settings.event_connect)
+    except EventBindError as exc:
+        log.error("%s", exc)
+        await runner.cleanup()
+        return 1
+    readiness.events_bound = True
+
+    handler = ExtProcHandler(
+        pool,
+        Scheduler(pool, settings.router_mode),
+        metrics,
+        overload_status=settings.overload_status,
+    )
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((handler.generic_handler(),))
+    address = f"{settings.grpc_host}:{settings.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot listen for ext_proc gRPC on %s: %s", address, exc)
+        subscriber.close()
+        await runner.cleanup()
+        return 1
+    await server.start()
+    readiness.grpc_serving = True
+    sweeper = asyncio.create_task(_sweep(pool, min(0.5, settings.worker_ttl / 10)))
+    log.info(
+        "serving ext_proc on %s, admin on http://%s:%s, events on %s; router mode %s; "
+        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s",
+        address,
+        settings.admin_host,
+        settings.admin_port,
+        ", ".join(subscriber.endpoints + settings.event_connect),
+        settings.router_mode,
+        settings.active_decode_blocks_threshold,
+        settings.active_prefill_tokens_threshold,
+        settings.active_prefill_tokens_threshold_frac,
+        settings.overload_status,
+    )
+    await stop.wait()
+    log.info("shutting down")
+    readiness.grpc_serving = False
+    sweeper.cancel()
+    await server.stop(grace=2.0)
+    subscriber.close()
+    await runner.cleanup()
+    return 0
