@@ -11,6 +11,7 @@ import grpc
 from aiohttp import web
 
 from extproc.admin.app import Readiness, build_app
+from extproc.admin.auth import AdminAuth
 from extproc.allowlist import WorkerAllowList
 from extproc.busy import BusyThresholds
 from extproc.datastore import WorkerPool
@@ -72,7 +73,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     metrics.attach(pool)
     readiness = Readiness()
 
-    runner = web.AppRunner(build_app(pool, metrics, readiness), access_log=None)
+    auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
+    runner = web.AppRunner(build_app(pool, metrics, readiness, auth), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.admin_host, settings.admin_port)
     try:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from extproc.admin.auth import AdminAuth, auth_middleware
 from extproc.admin.diagnostics import workers_view
+from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.datastore import WorkerPool
 from extproc.metrics import Metrics
 
@@ -25,8 +27,10 @@ class Readiness:
         return self.grpc_serving and self.events_bound
 
 
-def build_app(pool: WorkerPool, metrics: Metrics, readiness: Readiness) -> web.Application:
-    app = web.Application()
+def build_app(
+    pool: WorkerPool, metrics: Metrics, readiness: Readiness, auth: AdminAuth | None = None
+) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware(auth or AdminAuth())])
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "healthy", "workers": pool.counts()})
@@ -52,4 +56,5 @@ def build_app(pool: WorkerPool, metrics: Metrics, readiness: Readiness) -> web.A
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_view)
+    add_threshold_routes(app, pool)
     return app

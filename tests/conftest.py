@@ -1,0 +1,63 @@
+"""Shared fixtures: the real Envoy, the extproc service and echo workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.stack import Envoy, Extproc, Proc, Publisher, start_echo_worker
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def echo_workers(log_dir: Path) -> Iterator[dict[str, int]]:
+    """Three echo workers by name -> port, shared by the whole session."""
+    procs: list[Proc] = []
+    ports: dict[str, int] = {}
+    for name in ("a", "b", "c"):
+        proc, port = start_echo_worker(log_dir, name)
+        procs.append(proc)
+        ports[name] = port
+    yield ports
+    for proc in procs:
+        proc.stop()
+
+
+class Stack:
+    """Envoy -> extproc -> echo workers, plus a publisher into the extproc."""
+
+    def __init__(self, log_dir: Path, workers: dict[str, int], args: list[str],
+                 env: dict[str, str] | None = None) -> None:
+        self.workers = workers
+        self.ext = Extproc(log_dir, args, env)
+        self.envoy = Envoy(log_dir, self.ext, list(workers.values()))
+        self.pub = Publisher(self.ext.event_endpoint)
+
+    def endpoint(self, name: str) -> str:
+        return f"127.0.0.1:{self.workers[name]}"
+
+    def close(self) -> None:
+        self.pub.close()
+        self.envoy.stop()
+        self.ext.stop()
+
+
+@pytest.fixture(scope="module")
+def make_stack(log_dir: Path, echo_workers: dict[str, int]) -> Iterator[type]:
+    """Factory for stacks with given extproc flags; all are stopped at module end."""
+    made: list[Stack] = []
+
+    def factory(args: list[str], env: dict[str, str] | None = None) -> Stack:
+        stack = Stack(log_dir, echo_workers, args, env)
+        made.append(stack)
+        return stack
+
+    yield factory  # type: ignore[misc]
+    for stack in made:
+        stack.close()

@@ -1,0 +1,167 @@
+"""Flags and environment variables of SPEC §2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from extproc.settings import SETTING_NAMES, SettingsError, all_startup_warnings, load_settings
+from tests.support.stack import Extproc, wait_until
+
+
+def test_defaults_all_thresholds_off() -> None:
+    s = load_settings([], {})
+    assert s.active_decode_blocks_threshold is None
+    assert s.active_prefill_tokens_threshold is None
+    assert s.active_prefill_tokens_threshold_frac is None
+    assert s.router_queue_threshold is None
+    assert (s.router_mode, s.router_track_output_blocks) == ("kv", False)
+    assert (s.grpc_port, s.admin_port, s.worker_ttl) == (9002, 9003, 10.0)
+    assert s.event_bind == ["tcp://127.0.0.1:5557"]
+    assert s.admin_host == "127.0.0.1"
+    assert s.overload_status == 529
+    assert all_startup_warnings(s) == []
+
+
+def test_each_threshold_is_independent() -> None:
+    s = load_settings(["--active-prefill-tokens-threshold", "10"], {})
+    assert s.active_prefill_tokens_threshold == 10
+    assert s.active_decode_blocks_threshold is None
+    assert s.active_prefill_tokens_threshold_frac is None
+
+
+@pytest.mark.parametrize("off", ["None", "none", "", "  "])
+def test_none_and_empty_disable(off: str) -> None:
+    env = {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": off, "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": off,
+           "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC": off}
+    s = load_settings([], env)
+    assert s.active_decode_blocks_threshold is None
+    assert s.active_prefill_tokens_threshold is None
+    assert s.active_prefill_tokens_threshold_frac is None
+
+
+def test_flag_wins_over_env_including_none() -> None:
+    env = {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.9", "DYN_ROUTER_MODE": "random",
+           "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": "5"}
+    s = load_settings(["--active-decode-blocks-threshold", "0.25", "--router-mode", "kv",
+                       "--active-prefill-tokens-threshold", "None"], env)
+    assert s.active_decode_blocks_threshold == 0.25
+    assert s.router_mode == "kv"
+    assert s.active_prefill_tokens_threshold is None
+    assert load_settings([], env).active_decode_blocks_threshold == 0.9
+
+
+def test_values_parse() -> None:
+    s = load_settings(
+        ["--active-prefill-tokens-threshold", str(2**64 - 1),
+         "--active-prefill-tokens-threshold-frac", "2.5", "--router-track-output-blocks",
+         "--worker-allow", "10.0.0.0/8,127.0.0.1:8000", "--worker-allow", "::1/128",
+         "--event-bind", "tcp://127.0.0.1:1", "--event-bind", "tcp://127.0.0.1:2"],
+        {"DYN_ROUTER_QUEUE_THRESHOLD": "1.5"},
+    )
+    assert s.active_prefill_tokens_threshold == 2**64 - 1
+    assert s.active_prefill_tokens_threshold_frac == 2.5
+    assert s.router_track_output_blocks is True
+    assert s.router_queue_threshold == 1.5
+    assert s.worker_allow == ["10.0.0.0/8", "127.0.0.1:8000", "::1/128"]
+    assert s.event_bind == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    assert load_settings([], {"DYN_ROUTER_TRACK_OUTPUT_BLOCKS": "true"}).router_track_output_blocks
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (["--active-decode-blocks-threshold", "1.5"], {}, "--active-decode-blocks-threshold"),
+        (["--active-decode-blocks-threshold", "-0.1"], {}, "'-0.1'"),
+        (["--active-decode-blocks-threshold", "nan"], {}, "'nan'"),
+        ([], {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "inf"}, "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD"),
+        ([], {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "half"}, "'half'"),
+        (["--active-prefill-tokens-threshold", "-1"], {}, "--active-prefill-tokens-threshold"),
+        (["--active-prefill-tokens-threshold", "1.5"], {}, "'1.5'"),
+        (["--active-prefill-tokens-threshold", str(2**64)], {}, str(2**64)),
+        (["--active-prefill-tokens-threshold-frac", "-2"], {}, "-frac"),
+        (["--active-prefill-tokens-threshold-frac", "Infinity"], {}, "Infinity"),
+        (["--router-mode", "least"], {}, "--router-mode"),
+        ([], {"DYN_ROUTER_MODE": "kv2"}, "DYN_ROUTER_MODE"),
+        (["--admission-control", "always"], {}, "--admission-control"),
+        ([], {"DYN_ADMISSION_CONTROL": "bogus"}, "DYN_ADMISSION_CONTROL"),
+        (["--router-queue-threshold", "-1"], {}, "--router-queue-threshold"),
+        (["--worker-ttl", "0"], {}, "--worker-ttl"),
+        (["--grpc-port", "70000"], {}, "--grpc-port"),
+        (["--worker-allow", "not-a-cidr"], {}, "not-a-cidr"),
+        (["--event-bind", "127.0.0.1:5557"], {}, "--event-bind"),
+        ([], {"DYN_ROUTER_TRACK_OUTPUT_BLOCKS": "maybe"}, "DYN_ROUTER_TRACK_OUTPUT_BLOCKS"),
+    ],
+)
+def test_invalid_values_are_errors_naming_flag_and_value(
+    argv: list[str], env: dict[str, str], names: str
+) -> None:
+    with pytest.raises(SettingsError) as exc:
+        load_settings(argv, env)
+    assert names in str(exc.value)
+
+
+def test_invalid_value_exits_2_with_message() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "extproc", "--active-decode-blocks-threshold", "2"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--active-decode-blocks-threshold" in proc.stderr and "'2'" in proc.stderr
+    assert "[0, 1]" in proc.stderr
+
+
+def test_help_lists_every_setting_grouped_with_units() -> None:
+    out = subprocess.run([sys.executable, "-m", "extproc", "--help"], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    for flag, env in SETTING_NAMES.values():
+        assert flag in out and env in out
+    assert "DYN_HTTP_OVERLOAD_STATUS_CODE" in out
+    for group in ("busy thresholds", "router", "listeners", "worker load events"):
+        assert group in out
+    assert "seconds" in out and "tokens" in out
+
+
+def test_deprecation_and_mode_warnings_logged_once_at_startup(tmp_path: object) -> None:
+    from pathlib import Path
+
+    ext = Extproc(Path(str(tmp_path)), ["--admission-control", "token-capacity",
+                                        "--active-decode-blocks-threshold", "0.5",
+                                        "--router-mode", "round-robin"],
+                  {"DYN_HTTP_OVERLOAD_STATUS_CODE": "12"})
+    try:
+        log = wait_until(lambda: ext.proc.log() if "serving ext_proc" in ext.proc.log() else "", 10)
+        warnings = [ln for ln in log.splitlines() if " WARNING " in ln]
+        assert len(warnings) == 3, warnings
+        assert sum("--active-prefill-tokens-threshold" in w and "DYN_ADMISSION_CONTROL" in w
+                   for w in warnings) == 1
+        assert sum("router-mode kv" in w for w in warnings) == 1
+        assert sum("DYN_HTTP_OVERLOAD_STATUS_CODE" in w for w in warnings) == 1
+        diag = ext.workers()  # the service runs normally
+        assert diag == {}
+    finally:
+        ext.stop()
+
+
+def test_admission_control_env_any_valid_value_warns() -> None:
+    s = load_settings([], {"DYN_ADMISSION_CONTROL": "none"})
+    warnings = all_startup_warnings(s)
+    assert len(warnings) == 1 and "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD" in warnings[0]
+
+
+def test_event_bind_failure_exits_nonzero_naming_endpoint(tmp_path: object) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "extproc", "--event-bind", f"tcp://127.0.0.1:{port}",
+             "--grpc-port", "0", "--admin-port", "0"],
+            capture_output=True, text=True, timeout=30,
+        )
+    assert proc.returncode != 0
+    assert f"tcp://127.0.0.1:{port}" in proc.stderr
