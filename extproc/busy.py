@@ -77,9 +77,12 @@ def rank_busy_reason(
     limits: RankLimits, decode_blocks: int | None, prefill_tokens: int | None
 ) -> str | None:
     """The first check that fires for this rank's effective load, or None (free)."""
-    if limits.decode_blocks is not None and decode_blocks is not None:
-        if decode_blocks > limits.decode_blocks:
-            return DECODE
+    if (
+        limits.decode_blocks is not None
+        and decode_blocks is not None
+        and decode_blocks > limits.decode_blocks
+    ):
+        return DECODE
     if prefill_tokens is not None:
         if limits.prefill_tokens is not None and prefill_tokens > limits.prefill_tokens:
             return PREFILL

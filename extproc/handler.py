@@ -59,7 +59,7 @@ def immediate(
     return _serialize(
         ep.ProcessingResponse(
             immediate_response=ep.ImmediateResponse(
-                status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+                status=http_status_pb2.HttpStatus(code=status),
                 headers=ep.HeaderMutation(set_headers=set_headers),
                 body=body,
                 details=details,

@@ -9,12 +9,12 @@ Ties go to the next worker in rotation so equal workers share the load.
 from __future__ import annotations
 
 import random
-from enum import Enum
+from enum import StrEnum
 
 from extproc.datastore import Rank, Worker, WorkerPool
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     ROUTED = "routed"
     OVERLOADED = "overloaded"
     NO_WORKERS = "no_workers"

@@ -32,8 +32,13 @@ def echo_workers(log_dir: Path) -> Iterator[dict[str, int]]:
 class Stack:
     """Envoy -> extproc -> echo workers, plus a publisher into the extproc."""
 
-    def __init__(self, log_dir: Path, workers: dict[str, int], args: list[str],
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        workers: dict[str, int],
+        args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.workers = workers
         self.ext = Extproc(log_dir, args, env)
         self.envoy = Envoy(log_dir, self.ext, list(workers.values()))

@@ -26,8 +26,9 @@ def reason(
     max_batched: int | None = None,
     kv_mode: bool = True,
 ) -> str | None:
-    limits = rank_limits(th, kv_mode=kv_mode, kv_total_blocks=kv_total,
-                         max_num_batched_tokens=max_batched)
+    limits = rank_limits(
+        th, kv_mode=kv_mode, kv_total_blocks=kv_total, max_num_batched_tokens=max_batched
+    )
     return rank_busy_reason(limits, blocks, prefill)
 
 
@@ -44,7 +45,16 @@ CASES = [
     ("decode kv_total 0 never fires", D, 10**9, None, 0, None, True, None),
     ("decode no blocks value cannot fire", D, None, 10**9, 100, None, True, None),
     ("decode off outside kv mode", D, 99, None, 100, None, False, None),
-    ("decode threshold 0: any block is busy", BusyThresholds(0.0), 1, None, 100, None, True, DECODE),
+    (
+        "decode threshold 0: any block is busy",
+        BusyThresholds(0.0),
+        1,
+        None,
+        100,
+        None,
+        True,
+        DECODE,
+    ),
     ("decode threshold 0: zero blocks free", BusyThresholds(0.0), 0, None, 100, None, True, None),
     ("decode threshold 1: full is free", BusyThresholds(1.0), 100, None, 100, None, True, None),
     ("decode threshold 1: over full busy", BusyThresholds(1.0), 101, None, 100, None, True, DECODE),
@@ -54,16 +64,32 @@ CASES = [
     ("prefill at boundary", P, None, 100, None, None, True, None),
     ("prefill no value cannot fire", P, 10**6, None, 100, None, True, None),
     ("prefill works outside kv mode", P, None, 101, None, None, False, PREFILL),
-    ("prefill threshold 0 any token busy", BusyThresholds(None, 0), None, 1, None, None, True,
-     PREFILL),
+    (
+        "prefill threshold 0 any token busy",
+        BusyThresholds(None, 0),
+        None,
+        1,
+        None,
+        None,
+        True,
+        PREFILL,
+    ),
     ("frac above floor(1.5*100)=150", F, None, 151, None, 100, True, PREFILL_FRAC),
     ("frac at boundary", F, None, 150, None, 100, True, None),
     ("frac floors: floor(1.5*101)=151", F, None, 151, None, 101, True, None),
     ("frac floors: 152 > 151", F, None, 152, None, 101, True, PREFILL_FRAC),
     ("frac without max_num_batched_tokens never fires", F, None, 10**9, None, None, True, None),
     ("frac below 1", BusyThresholds(None, None, 0.1), None, 7, None, 64, True, PREFILL_FRAC),
-    ("frac below 1 boundary floor(6.4)=6", BusyThresholds(None, None, 0.1), None, 6, None, 64,
-     True, None),
+    (
+        "frac below 1 boundary floor(6.4)=6",
+        BusyThresholds(None, None, 0.1),
+        None,
+        6,
+        None,
+        64,
+        True,
+        None,
+    ),
     ("no thresholds never busy", BusyThresholds(), 10**9, 10**9, 1, 1, True, None),
     ("OR: decode fires alone", BusyThresholds(0.5, 100), 60, 10, 100, None, True, DECODE),
     ("OR: prefill fires alone", BusyThresholds(0.5, 100), 10, 200, 100, None, True, PREFILL),
@@ -78,8 +104,13 @@ CASES = [
     ids=[c[0] for c in CASES],
 )
 def test_rank_rule(
-    th: BusyThresholds, blocks: int | None, prefill: int | None, kv_total: int | None,
-    max_batched: int | None, kv_mode: bool, expected: str | None,
+    th: BusyThresholds,
+    blocks: int | None,
+    prefill: int | None,
+    kv_total: int | None,
+    max_batched: int | None,
+    kv_mode: bool,
+    expected: str | None,
 ) -> None:
     assert reason(th, blocks, prefill, kv_total, max_batched, kv_mode) == expected
 
@@ -117,18 +148,25 @@ opt_count = st.none() | st.integers(0, 10**6)
 opt_cap = st.none() | st.integers(0, 10**5)
 
 
-@given(thresholds, opt_count, opt_count, opt_cap, opt_cap, st.integers(0, 1000),
-       st.integers(0, 1000))
+@given(
+    thresholds, opt_count, opt_count, opt_cap, opt_cap, st.integers(0, 1000), st.integers(0, 1000)
+)
 def test_more_load_never_turns_busy_into_free(
-    th: BusyThresholds, blocks: int | None, prefill: int | None, kv_total: int | None,
-    max_batched: int | None, more_blocks: int, more_prefill: int,
+    th: BusyThresholds,
+    blocks: int | None,
+    prefill: int | None,
+    kv_total: int | None,
+    max_batched: int | None,
+    more_blocks: int,
+    more_prefill: int,
 ) -> None:
     before = reason(th, blocks, prefill, kv_total, max_batched)
     after = reason(
         th,
         None if blocks is None else blocks + more_blocks,
         None if prefill is None else prefill + more_prefill,
-        kv_total, max_batched,
+        kv_total,
+        max_batched,
     )
     if before is not None:
         assert after is not None
@@ -136,7 +174,10 @@ def test_more_load_never_turns_busy_into_free(
 
 @given(thresholds, opt_count, opt_count, opt_cap, opt_cap)
 def test_lower_threshold_never_turns_busy_into_free(
-    th: BusyThresholds, blocks: int | None, prefill: int | None, kv_total: int | None,
+    th: BusyThresholds,
+    blocks: int | None,
+    prefill: int | None,
+    kv_total: int | None,
     max_batched: int | None,
 ) -> None:
     lower = BusyThresholds(
@@ -157,7 +198,10 @@ def test_unset_thresholds_never_reject(
 
 @given(thresholds, opt_count, opt_count, opt_cap, opt_cap)
 def test_enabling_a_check_never_frees(
-    th: BusyThresholds, blocks: int | None, prefill: int | None, kv_total: int | None,
+    th: BusyThresholds,
+    blocks: int | None,
+    prefill: int | None,
+    kv_total: int | None,
     max_batched: int | None,
 ) -> None:
     """Checks are OR-ed: adding one can only add reasons to be busy."""
@@ -166,8 +210,10 @@ def test_enabling_a_check_never_frees(
         assert reason(th, blocks, prefill, kv_total, max_batched) is not None
 
 
-@given(st.lists(st.none() | st.sampled_from([DECODE, PREFILL]), max_size=8),
-       st.sampled_from([DECODE, PREFILL]))
+@given(
+    st.lists(st.none() | st.sampled_from([DECODE, PREFILL]), max_size=8),
+    st.sampled_from([DECODE, PREFILL]),
+)
 def test_another_busy_rank_never_frees_a_busy_worker(ranks: list[str | None], extra: str) -> None:
     if worker_busy(ranks):
         assert worker_busy([*ranks, extra])

@@ -19,9 +19,19 @@ def test_there_are_configs() -> None:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_config_validates(config: Path) -> None:
     proc = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart",
-         "-l", "error"],
-        capture_output=True, text=True, timeout=60,
+        [
+            envoy_binary(),
+            "--mode",
+            "validate",
+            "-c",
+            str(config),
+            "--disable-hot-restart",
+            "-l",
+            "error",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout

@@ -114,10 +114,12 @@ async def _until(cond: Any, timeout: float = 5.0) -> None:
 
 async def _join(pool: WorkerPool, pub: zmq.asyncio.Socket) -> None:
     """PUB/SUB joins late: send a config until it lands."""
+
     async def send_until() -> None:
         while "join" not in pool.workers:
             await pub.send_multipart([b"config", mp({**CFG, "worker_id": "join"})])
             await asyncio.sleep(0.01)
+
     await asyncio.wait_for(send_until(), 5)
 
 
@@ -131,18 +133,21 @@ async def test_subscriber_applies_in_order_and_drops_bad_without_change() -> Non
     try:
         await _join(pool, pub)
         await pub.send_multipart([b"config", mp({**CFG, "kv_total_blocks": 100})])
-        await pub.send_multipart([b"load", mp({"v": 1, "worker_id": "w", "active_decode_blocks": 70,
-                                               "seq": 1})])
+        await pub.send_multipart(
+            [b"load", mp({"v": 1, "worker_id": "w", "active_decode_blocks": 70, "seq": 1})]
+        )
         # Bad ones in between: none may change state or stop the subscriber.
-        await pub.send_multipart([b"load", mp({"v": 1, "worker_id": "w",
-                                               "active_decode_blocks": True})])
+        await pub.send_multipart(
+            [b"load", mp({"v": 1, "worker_id": "w", "active_decode_blocks": True})]
+        )
         await pub.send_multipart([b"load", b"\xc1"])
         await pub.send_multipart([b"load"])
         await pub.send_multipart([b"load", mp({"v": 1, "worker_id": "w"}), b"extra"])
         await pub.send_multipart([b"nope", mp(CFG)])
         await pub.send_multipart([b"config", mp({**CFG, "v": 7, "model": "changed"})])
-        await pub.send_multipart([b"load", mp({"v": 1, "worker_id": "w", "active_decode_blocks": 10,
-                                               "seq": 4})])
+        await pub.send_multipart(
+            [b"load", mp({"v": 1, "worker_id": "w", "active_decode_blocks": 10, "seq": 4})]
+        )
         await _until(lambda: pool.workers["w"].ranks[0].reported_blocks == 10)
         assert pool.workers["w"].model == "m"
         assert not pool.workers["w"].busy
@@ -167,8 +172,12 @@ async def test_subscriber_ingests_a_burst_without_loss() -> None:
         await pub.send_multipart([b"config", mp({**CFG, "kv_total_blocks": 1000})])
         n = 20_000
         for i in range(1, n + 1):
-            await pub.send_multipart([b"load", mp({"v": 1, "worker_id": "w", "seq": i,
-                                                   "active_decode_blocks": i % 1000})])
+            await pub.send_multipart(
+                [
+                    b"load",
+                    mp({"v": 1, "worker_id": "w", "seq": i, "active_decode_blocks": i % 1000}),
+                ]
+            )
         await _until(lambda: pool.workers["w"].last_seq == n, 20)
         assert counter(metrics, "extproc_events_lost_total") == 0
         assert pool.workers["w"].ranks[0].reported_blocks == n % 1000

@@ -16,8 +16,20 @@ from extproc.openai_request import BadRequest, estimate_tokens, parse_body
         ({"model": "m", "messages": [{"role": "user", "content": "abcd"}]}, 1),
         ({"model": "m", "messages": [{"role": "user", "content": "abcde"}]}, 2),
         ({"model": "m", "messages": [{"content": "ab"}, {"content": "cd"}]}, 1),  # concatenated
-        ({"model": "m", "messages": [{"content": [{"type": "text", "text": "abcdefgh"},
-                                                  {"type": "image_url", "image_url": {}}]}]}, 2),
+        (
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "content": [
+                            {"type": "text", "text": "abcdefgh"},
+                            {"type": "image_url", "image_url": {}},
+                        ]
+                    }
+                ],
+            },
+            2,
+        ),
         ({"model": "m", "messages": [{"content": "é" * 4}]}, 2),  # 8 UTF-8 bytes
         ({"model": "m", "prompt": "x" * 400}, 100),
         ({"model": "m", "prompt": ["abcd", "abcd"]}, 2),
@@ -37,8 +49,9 @@ def test_model_and_stream() -> None:
     assert parse_body(b'{"model":"llama","stream":"yes"}').stream is False
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b"null", b"{}", b'{"model":1}',
-                                 b'{"model":null}', b'{"model":["a"]}'])
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"[]", b"null", b"{}", b'{"model":1}', b'{"model":null}', b'{"model":["a"]}']
+)
 def test_bad_bodies(raw: bytes) -> None:
     with pytest.raises(BadRequest):
         parse_body(raw)

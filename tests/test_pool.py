@@ -21,8 +21,10 @@ class Clock:
         return self.t
 
 
-def make_pool(th: BusyThresholds = BusyThresholds(0.5, 100), **kw: object) -> tuple[WorkerPool,
-                                                                                      Clock]:
+DEFAULT = BusyThresholds(0.5, 100)
+
+
+def make_pool(th: BusyThresholds = DEFAULT, **kw: object) -> tuple[WorkerPool, Clock]:
     clock = Clock()
     return WorkerPool(th, clock=clock, **kw), clock  # type: ignore[arg-type]
 

@@ -23,8 +23,14 @@ def chat(model: str, text: str = "hello") -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def stack(make_stack: Any) -> Stack:
     return make_stack(
-        ["--active-decode-blocks-threshold", "0.5", "--active-prefill-tokens-threshold", "1000",
-         "--worker-ttl", "30"]
+        [
+            "--active-decode-blocks-threshold",
+            "0.5",
+            "--active-prefill-tokens-threshold",
+            "1000",
+            "--worker-ttl",
+            "30",
+        ]
     )
 
 
@@ -41,17 +47,22 @@ def load(stack: Stack, worker_id: str, state: str, **fields: Any) -> None:
     set_state(
         stack,
         worker_id,
-        lambda w: w["state"] == state
-        and all(
-            w["ranks"][fields.get("dp_rank", 0)]["reported"].get(k) == v
-            for k, v in fields.items()
-            if k != "dp_rank"
+        lambda w: (
+            w["state"] == state
+            and all(
+                w["ranks"][fields.get("dp_rank", 0)]["reported"].get(k) == v
+                for k, v in fields.items()
+                if k != "dp_rank"
+            )
         ),
     )
 
 
 def upstream_requests(stack: Stack) -> int:
-    status, _, body = http("GET", f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=^cluster.workers.upstream_rq_total$")
+    status, _, body = http(
+        "GET",
+        f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=^cluster.workers.upstream_rq_total$",
+    )
     assert status == 200
     return int(body.decode().split(":")[1])
 
@@ -83,16 +94,23 @@ def test_all_busy_gives_529_with_exact_body(stack: Stack) -> None:
     load(stack, "busy-1", "busy", active_decode_blocks=6)
     load(stack, "busy-2", "busy", active_prefill_tokens=1001)
     before = upstream_requests(stack)
-    for path, endpoint in ((CHAT, "chat_completions"), ("/v1/completions", "completions"),
-                           ("/v1/embeddings", "embeddings"), ("/v1/responses", "responses")):
+    for path, endpoint in (
+        (CHAT, "chat_completions"),
+        ("/v1/completions", "completions"),
+        ("/v1/embeddings", "embeddings"),
+        ("/v1/responses", "responses"),
+    ):
         body = chat("m-busy") if path == CHAT else {"model": "m-busy", "prompt": "x", "input": "x"}
         status, headers, reply = http("POST", stack.envoy.url + path, body)
         assert status == 529
         assert reply == OVERLOADED_529
         assert headers["content-type"] == "application/json"
         assert 1 <= int(headers["retry-after"]) <= 60
-        value = metric_value(stack.ext.metrics(), "dynamo_frontend_model_rejection_total",
-                             {"model": "m-busy", "endpoint": endpoint})
+        value = metric_value(
+            stack.ext.metrics(),
+            "dynamo_frontend_model_rejection_total",
+            {"model": "m-busy", "endpoint": endpoint},
+        )
         assert value == 1.0
     assert upstream_requests(stack) == before, "a rejected request reached a worker"
     # One worker frees up: served at once, no waiting for anything else.
@@ -175,8 +193,13 @@ def test_sse_stream_passes_through_intact(stack: Stack) -> None:
     assert through[2] == direct[2]
     assert through[2].count(b"data: ") == 21 and through[2].endswith(b"data: [DONE]\n\n")
     # The router's estimate for the stream is released when it ends.
-    wait_until(lambda: stack.ext.workers()["sse-1"]["ranks"][0]["router_estimate"]
-               ["requests_in_flight"] == 0, 5, "estimate released")
+    wait_until(
+        lambda: (
+            stack.ext.workers()["sse-1"]["ranks"][0]["router_estimate"]["requests_in_flight"] == 0
+        ),
+        5,
+        "estimate released",
+    )
 
 
 def test_router_estimate_alone_drives_rejection(stack: Stack) -> None:
@@ -184,16 +207,23 @@ def test_router_estimate_alone_drives_rejection(stack: Stack) -> None:
     announce(stack, "est-1", "m-est", "a")
     held = socket.create_connection(("127.0.0.1", stack.envoy.port))
     body = json.dumps(chat("m-est", "x" * 4008)).encode()  # 1002 prompt tokens > 1000
-    held.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"x-test-hang: 1\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    held.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"x-test-hang: 1\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    )
     try:
         set_state(stack, "est-1", lambda w: w["state"] == "busy")
         assert http("POST", stack.envoy.url + CHAT, chat("m-est"))[0] == 529
     finally:
         held.close()
     # Client gone: the estimate returns to zero and the worker is free again.
-    set_state(stack, "est-1", lambda w: w["state"] == "free"
-              and w["ranks"][0]["router_estimate"]["requests_in_flight"] == 0)
+    set_state(
+        stack,
+        "est-1",
+        lambda w: (
+            w["state"] == "free" and w["ranks"][0]["router_estimate"]["requests_in_flight"] == 0
+        ),
+    )
     assert http("POST", stack.envoy.url + CHAT, chat("m-est"))[0] == 200
 
 
@@ -228,12 +258,14 @@ def test_metrics_and_busy_threshold_routed_to_admin_on_8000(stack: Stack) -> Non
 
 
 def test_no_workers_503_and_status_code_fallback_warning(make_stack: Any) -> None:
-    s = make_stack(["--active-prefill-tokens-threshold", "0"],
-                   {"DYN_HTTP_OVERLOAD_STATUS_CODE": "abc"})
+    s = make_stack(
+        ["--active-prefill-tokens-threshold", "0"], {"DYN_HTTP_OVERLOAD_STATUS_CODE": "abc"}
+    )
     status, headers, body = http("POST", s.envoy.url + CHAT, chat("anything"))
     assert status == 503
-    assert body == (b'{"message":"Service temporarily unavailable",'
-                    b'"type":"Service Unavailable","code":503}')
+    assert body == (
+        b'{"message":"Service temporarily unavailable","type":"Service Unavailable","code":503}'
+    )
     assert headers["content-type"] == "application/json"
     s.pub.announce(s.ext, "abc-1", "m", s.endpoint("a"))
     s.pub.load("abc-1", active_prefill_tokens=1)
@@ -245,20 +277,24 @@ def test_no_workers_503_and_status_code_fallback_warning(make_stack: Any) -> Non
 
 
 @pytest.mark.parametrize(
-    ("code", "type_"), [("503", "Service Unavailable"), (" 429 ", "Too Many Requests"),
-                        ("599", "Overloaded")]
+    ("code", "type_"),
+    [("503", "Service Unavailable"), (" 429 ", "Too Many Requests"), ("599", "Overloaded")],
 )
 def test_overload_status_env(make_stack: Any, code: str, type_: str) -> None:
-    s = make_stack(["--active-prefill-tokens-threshold", "0"],
-                   {"DYN_HTTP_OVERLOAD_STATUS_CODE": code})
+    s = make_stack(
+        ["--active-prefill-tokens-threshold", "0"], {"DYN_HTTP_OVERLOAD_STATUS_CODE": code}
+    )
     s.pub.announce(s.ext, "st-1", "m", s.endpoint("a"))
     s.pub.load("st-1", active_prefill_tokens=1)
     wait_until(lambda: s.ext.workers()["st-1"]["state"] == "busy", 5, "busy")
     status, headers, body = http("POST", s.envoy.url + CHAT, chat("m"))
     n = int(code)
     assert status == n
-    assert json.loads(body) == {"message": "Service temporarily overloaded", "type": type_,
-                                "code": n}
+    assert json.loads(body) == {
+        "message": "Service temporarily overloaded",
+        "type": type_,
+        "code": n,
+    }
     assert "retry-after" in headers
 
 

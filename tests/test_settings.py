@@ -34,8 +34,11 @@ def test_each_threshold_is_independent() -> None:
 
 @pytest.mark.parametrize("off", ["None", "none", "", "  "])
 def test_none_and_empty_disable(off: str) -> None:
-    env = {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": off, "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": off,
-           "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC": off}
+    env = {
+        "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": off,
+        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": off,
+        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC": off,
+    }
     s = load_settings([], env)
     assert s.active_decode_blocks_threshold is None
     assert s.active_prefill_tokens_threshold is None
@@ -43,10 +46,22 @@ def test_none_and_empty_disable(off: str) -> None:
 
 
 def test_flag_wins_over_env_including_none() -> None:
-    env = {"DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.9", "DYN_ROUTER_MODE": "random",
-           "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": "5"}
-    s = load_settings(["--active-decode-blocks-threshold", "0.25", "--router-mode", "kv",
-                       "--active-prefill-tokens-threshold", "None"], env)
+    env = {
+        "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.9",
+        "DYN_ROUTER_MODE": "random",
+        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": "5",
+    }
+    s = load_settings(
+        [
+            "--active-decode-blocks-threshold",
+            "0.25",
+            "--router-mode",
+            "kv",
+            "--active-prefill-tokens-threshold",
+            "None",
+        ],
+        env,
+    )
     assert s.active_decode_blocks_threshold == 0.25
     assert s.router_mode == "kv"
     assert s.active_prefill_tokens_threshold is None
@@ -55,10 +70,21 @@ def test_flag_wins_over_env_including_none() -> None:
 
 def test_values_parse() -> None:
     s = load_settings(
-        ["--active-prefill-tokens-threshold", str(2**64 - 1),
-         "--active-prefill-tokens-threshold-frac", "2.5", "--router-track-output-blocks",
-         "--worker-allow", "10.0.0.0/8,127.0.0.1:8000", "--worker-allow", "::1/128",
-         "--event-bind", "tcp://127.0.0.1:1", "--event-bind", "tcp://127.0.0.1:2"],
+        [
+            "--active-prefill-tokens-threshold",
+            str(2**64 - 1),
+            "--active-prefill-tokens-threshold-frac",
+            "2.5",
+            "--router-track-output-blocks",
+            "--worker-allow",
+            "10.0.0.0/8,127.0.0.1:8000",
+            "--worker-allow",
+            "::1/128",
+            "--event-bind",
+            "tcp://127.0.0.1:1",
+            "--event-bind",
+            "tcp://127.0.0.1:2",
+        ],
         {"DYN_ROUTER_QUEUE_THRESHOLD": "1.5"},
     )
     assert s.active_prefill_tokens_threshold == 2**64 - 1
@@ -106,7 +132,9 @@ def test_invalid_values_are_errors_naming_flag_and_value(
 def test_invalid_value_exits_2_with_message() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "extproc", "--active-decode-blocks-threshold", "2"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2
     assert "--active-decode-blocks-threshold" in proc.stderr and "'2'" in proc.stderr
@@ -114,8 +142,13 @@ def test_invalid_value_exits_2_with_message() -> None:
 
 
 def test_help_lists_every_setting_grouped_with_units() -> None:
-    out = subprocess.run([sys.executable, "-m", "extproc", "--help"], capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     for flag, env in SETTING_NAMES.values():
         assert flag in out and env in out
     assert "DYN_HTTP_OVERLOAD_STATUS_CODE" in out
@@ -127,16 +160,29 @@ def test_help_lists_every_setting_grouped_with_units() -> None:
 def test_deprecation_and_mode_warnings_logged_once_at_startup(tmp_path: object) -> None:
     from pathlib import Path
 
-    ext = Extproc(Path(str(tmp_path)), ["--admission-control", "token-capacity",
-                                        "--active-decode-blocks-threshold", "0.5",
-                                        "--router-mode", "round-robin"],
-                  {"DYN_HTTP_OVERLOAD_STATUS_CODE": "12"})
+    ext = Extproc(
+        Path(str(tmp_path)),
+        [
+            "--admission-control",
+            "token-capacity",
+            "--active-decode-blocks-threshold",
+            "0.5",
+            "--router-mode",
+            "round-robin",
+        ],
+        {"DYN_HTTP_OVERLOAD_STATUS_CODE": "12"},
+    )
     try:
         log = wait_until(lambda: ext.proc.log() if "serving ext_proc" in ext.proc.log() else "", 10)
         warnings = [ln for ln in log.splitlines() if " WARNING " in ln]
         assert len(warnings) == 3, warnings
-        assert sum("--active-prefill-tokens-threshold" in w and "DYN_ADMISSION_CONTROL" in w
-                   for w in warnings) == 1
+        assert (
+            sum(
+                "--active-prefill-tokens-threshold" in w and "DYN_ADMISSION_CONTROL" in w
+                for w in warnings
+            )
+            == 1
+        )
         assert sum("router-mode kv" in w for w in warnings) == 1
         assert sum("DYN_HTTP_OVERLOAD_STATUS_CODE" in w for w in warnings) == 1
         diag = ext.workers()  # the service runs normally
@@ -159,9 +205,20 @@ def test_event_bind_failure_exits_nonzero_naming_endpoint(tmp_path: object) -> N
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "extproc", "--event-bind", f"tcp://127.0.0.1:{port}",
-             "--grpc-port", "0", "--admin-port", "0"],
-            capture_output=True, text=True, timeout=30,
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "--event-bind",
+                f"tcp://127.0.0.1:{port}",
+                "--grpc-port",
+                "0",
+                "--admin-port",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     assert proc.returncode != 0
     assert f"tcp://127.0.0.1:{port}" in proc.stderr

@@ -14,7 +14,7 @@ Publishers encode with :func:`encode`; the subscriber decodes with
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -62,7 +62,7 @@ class ByeEvent(msgspec.Struct, kw_only=True, frozen=True):
     v: int = WIRE_VERSION
 
 
-Event = Union[ConfigEvent, LoadEvent, ByeEvent]
+Event = ConfigEvent | LoadEvent | ByeEvent
 
 
 class EventRejected(Exception):

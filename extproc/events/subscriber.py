@@ -25,11 +25,11 @@ class EventBindError(RuntimeError):
     """The SUB socket could not bind or connect; the message names the endpoint."""
 
 
-class _SubProtocol(aiozmq.ZmqProtocol):  # type: ignore[misc]
+class _SubProtocol(aiozmq.ZmqProtocol):
     def __init__(self, sink: EventSubscriber) -> None:
         self.sink = sink
 
-    def msg_received(self, data: list[bytes]) -> None:  # type: ignore[override]
+    def msg_received(self, data: list[bytes]) -> None:
         self.sink.on_message(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
