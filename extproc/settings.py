@@ -291,6 +291,11 @@ class Settings(BaseSettings):
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
             )
+        if self.router_queue_threshold is not None:
+            warnings.append(
+                f"--router-queue-threshold={self.router_queue_threshold} is accepted but router "
+                "queueing is not implemented in this version: requests are not held"
+            )
         if self.admin_host not in ("127.0.0.1", "::1", "localhost") and not self.admin_token:
             warnings.append(
                 f"admin API listens on {self.admin_host} without --admin-token: "

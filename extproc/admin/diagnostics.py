@@ -11,7 +11,7 @@ from typing import Any
 from extproc.busy import DECODE, PREFILL, PREFILL_FRAC
 from extproc.datastore import Rank, Worker, WorkerPool
 
-STALE_LOAD_SECONDS = 5.0
+STALE_LOAD_SECONDS = 5.0  # at most; half the worker TTL when that is shorter
 
 
 def _age(now: float, t: float | None) -> float | None:
@@ -34,7 +34,9 @@ def _inactive(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[
     if configured:
         if rank.reported_at is None and not rank.inflight:
             reason = "no load events from this rank and no requests in flight"
-        elif rank.reported_at is not None and now - rank.reported_at > STALE_LOAD_SECONDS:
+        elif rank.reported_at is not None and now - rank.reported_at > min(
+            STALE_LOAD_SECONDS, pool.worker_ttl / 2
+        ):
             reason = f"no load events for {now - rank.reported_at:.0f} s"
         else:
             reason = ""
