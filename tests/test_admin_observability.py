@@ -82,7 +82,7 @@ def test_metrics_after_traffic(stack: Stack) -> None:
         5,
         "all busy",
     )
-    for path, label, n in (
+    for path, _label, n in (
         (CHAT, "chat_completions", 2),
         ("/v1/completions", "completions", 1),
         ("/v1/embeddings", "embeddings", 3),

@@ -22,6 +22,7 @@ step that finishes a prompt's prefill also samples its first token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -118,6 +119,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step (a prefill chunk, or 1 to decode)
     samples: bool  # this step yields a new output token
+    tokens_after: int  # tokens in KV once the step is done
 
 
 @dataclass(slots=True)
@@ -162,6 +164,8 @@ class EngineCore:
         self.used_blocks = 0
         self.prefill_tokens = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of every request added
+        self.num_generated_tokens = 0
         self._next_id = 0
 
     @property
@@ -208,6 +212,7 @@ class EngineCore:
             prefill_only=prefill_only,
         )
         self.waiting.append(seq)
+        self.num_prompt_tokens += prompt_tokens
         self._recount(seq)
         return seq
 
@@ -246,7 +251,7 @@ class EngineCore:
                 i += 1  # without preemption (unreachable with reservations): stall
                 continue
             self._allocate(seq, needed)
-            self._plan(plan, seq, num_tokens, samples)
+            self._plan(plan, ScheduledSeq(seq, num_tokens, samples, after))
             budget -= num_tokens
             i += 1
         # Like vLLM, nothing new is admitted in a step that had to preempt.
@@ -268,7 +273,7 @@ class EngineCore:
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             self._allocate(seq, needed)
-            self._plan(plan, seq, num_tokens, samples)
+            self._plan(plan, ScheduledSeq(seq, num_tokens, samples, after))
             budget -= num_tokens
         plan.duration_s = cfg.step_seconds(plan.prefill_tokens, plan.decode_seqs)
         return plan
@@ -280,13 +285,11 @@ class EngineCore:
             seq = item.seq
             if seq.state is not SeqState.RUNNING:
                 continue
-            seq.num_computed += item.num_tokens
+            seq.num_computed = item.tokens_after
             if item.samples:
                 seq.num_output += 1
-                seq.num_computed += 1
-            finished = (
-                not seq.in_prefill if seq.prefill_only else seq.num_output >= seq.max_tokens
-            )
+                self.num_generated_tokens += 1
+            finished = not seq.in_prefill if seq.prefill_only else seq.num_output >= seq.max_tokens
             if finished:
                 self.running.remove(seq)
                 self._free(seq)
@@ -305,10 +308,10 @@ class EngineCore:
             return chunk, samples, seq.num_computed + chunk + (1 if samples else 0)
         return 1, True, seq.num_computed + 1
 
-    def _plan(self, plan: StepPlan, seq: Sequence, num_tokens: int, samples: bool) -> None:
-        plan.items.append(ScheduledSeq(seq, num_tokens, samples))
-        if seq.in_prefill:
-            plan.prefill_tokens += num_tokens
+    def _plan(self, plan: StepPlan, item: ScheduledSeq) -> None:
+        plan.items.append(item)
+        if item.seq.in_prefill:
+            plan.prefill_tokens += item.num_tokens
         else:
             plan.decode_seqs += 1
 
@@ -445,10 +448,8 @@ class EngineLoop:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         for stream in list(self._streams.values()):
             self.core.abort(stream.seq)
             stream._wake(error=EngineStopped("engine stopped"))

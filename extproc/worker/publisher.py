@@ -39,8 +39,9 @@ piling up in memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -72,7 +73,7 @@ class _RankLoad:
     kv_total_blocks: int | None
 
 
-class _SocketEvents(aiozmq.ZmqProtocol):  # type: ignore[misc]
+class _SocketEvents(aiozmq.ZmqProtocol):
     """Receives XPUB subscription notices and tracks the transport's life."""
 
     def __init__(self, publisher: EventPublisher) -> None:
@@ -106,7 +107,8 @@ class EventPublisher:
     extproc event socket. ``config``: the worker's registration; ``heartbeat``
     and ``debounce`` in seconds; ``sndhwm``: messages queued per subscriber
     before dropping; ``reconnect_ivl`` / ``reconnect_ivl_max``: ZeroMQ reconnect
-    back-off in seconds; ``linger``: seconds ``close()`` waits to deliver ``bye``.
+    back-off in seconds; ``linger``: seconds ``close()`` waits to deliver ``bye``;
+    ``sockopts``: more ZeroMQ socket options, e.g. ``{zmq.TCP_KEEPALIVE: 1}``.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class EventPublisher:
         reconnect_ivl: float = 0.1,
         reconnect_ivl_max: float = 2.0,
         linger: float = 1.0,
+        sockopts: Mapping[int, int] | None = None,
     ) -> None:
         self.endpoints: tuple[str, ...] = (
             (endpoints,) if isinstance(endpoints, str) else tuple(endpoints)
@@ -141,6 +144,7 @@ class EventPublisher:
             zmq.LINGER: max(0, int(linger * 1000)),
             zmq.XPUB_NODROP: 1,
             zmq.XPUB_VERBOSE: 1,
+            **(sockopts or {}),
         }
         self._loads: dict[int, _RankLoad] = {}
         self._sent_loads: dict[int, _RankLoad] = {}
@@ -204,10 +208,8 @@ class EventPublisher:
                 handle.cancel()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat_task
-            except asyncio.CancelledError:
-                pass
         transport, protocol = self._transport, self._protocol
         if transport is None or protocol is None:
             return
