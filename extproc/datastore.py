@@ -95,7 +95,6 @@ class Worker:
         "model",
         "overloaded_until",
         "ranks",
-        "route_cache",
         "worker_id",
         "worker_type",
     )
@@ -116,8 +115,6 @@ class Worker:
         self.overloaded_until = 0.0
         self.last_seq: int | None = None
         self.busy = False
-        # Precomputed per endpoint by the ext_proc handler (serialized routing reply).
-        self.route_cache: bytes | None = None
 
     def kv_total(self, rank: Rank) -> int | None:
         return (
@@ -232,8 +229,6 @@ class WorkerPool:
         worker.last_seen = now
         if worker.configured and (worker.model != ev.model or worker.endpoint != ev.endpoint):
             self._unlink(worker)
-        if worker.endpoint != ev.endpoint:
-            worker.route_cache = None
         dp_size = ev.dp_size or 1
         if dp_size != len(worker.ranks):
             ranks = worker.ranks[:dp_size]

@@ -36,6 +36,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
+MAX_FALLBACKS = 2
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
 _PM = processing_mode_pb2.ProcessingMode
 
 
@@ -68,10 +71,17 @@ def immediate(
     )
 
 
-def routing_reply(endpoint: str) -> bytes:
-    """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header."""
+def routing_reply(endpoint: str, fallbacks: tuple[str, ...] = ()) -> bytes:
+    """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header.
+
+    ``fallbacks`` follow the pick in the metadata (``a,b,c``): Envoy's override_host
+    policy tries them in order when the route retries a worker-side rejection.
+    ``x-envoy-max-retries`` caps the retries at the hosts listed, so a retry never
+    falls through to the cluster's fallback policy (a worker of another model).
+    """
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     meta = struct_pb2.Struct()
-    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join((endpoint, *fallbacks))}})
     return _serialize(
         ep.ProcessingResponse(
             request_body=ep.BodyResponse(
@@ -80,8 +90,12 @@ def routing_reply(endpoint: str) -> bytes:
                         set_headers=[
                             base_pb2.HeaderValueOption(
                                 header=_header(DESTINATION_HEADER, endpoint),
-                                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                            )
+                                append_action=overwrite,
+                            ),
+                            base_pb2.HeaderValueOption(
+                                header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))),
+                                append_action=overwrite,
+                            ),
                         ]
                     )
                 )
@@ -175,6 +189,7 @@ class ExtProcHandler:
         }
         self._type = reason_phrase(overload_status)
         self._models_reply: tuple[tuple[str, ...], bytes] | None = None
+        self._routes: dict[tuple[str, ...], bytes] = {}
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -257,9 +272,12 @@ class ExtProcHandler:
             assert worker is not None and rank is not None
             st.ticket = self.pool.dispatch(worker, rank, request.prompt_tokens)
             st.worker = worker
-            reply = worker.route_cache
+            key = (worker.endpoint, *self.scheduler.fallbacks(model, worker, MAX_FALLBACKS))
+            reply = self._routes.get(key)
             if reply is None:
-                reply = worker.route_cache = routing_reply(worker.endpoint)
+                if len(self._routes) > 4096:
+                    self._routes.clear()
+                reply = self._routes[key] = routing_reply(key[0], key[1:])
         elif outcome is Outcome.OVERLOADED:
             m.rejections.labels(model, st.endpoint_label).inc()
             reply = self._overloaded[self.pool.retry_after(model)]

@@ -77,7 +77,27 @@ class Scheduler:
                 return Outcome.OVERLOADED, None, None
             return Outcome.ROUTED, best, best_rank
         free = [w for w in workers if not w.busy and now >= w.overloaded_until]
+
         if not free:
             return Outcome.OVERLOADED, None, None
         w = free[turn % len(free)] if self.mode == "round-robin" else self._rng.choice(free)
         return Outcome.ROUTED, w, _best_rank(w)
+
+    def fallbacks(self, model: str, chosen: Worker, limit: int) -> tuple[str, ...]:
+        """Endpoints of up to ``limit`` other free workers of the model, for retries."""
+        workers = self.pool.by_model.get(model)
+        if not workers or len(workers) < 2 or limit <= 0:
+            return ()
+        now = self.pool.clock()
+        out: list[str] = []
+        n = len(workers)
+        start = self._turn % n
+        for i in range(n):
+            w = workers[(start + i) % n]
+            if w is chosen or w.busy or now < w.overloaded_until or w.endpoint == chosen.endpoint:
+                continue
+            if w.endpoint not in out:
+                out.append(w.endpoint)
+                if len(out) == limit:
+                    break
+        return tuple(out)

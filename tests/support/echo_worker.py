@@ -2,7 +2,8 @@
 
 Every reply names the worker (header ``x-worker-id``) and echoes what it
 received. Request headers steer it: ``x-test-status`` answers with that status
-(``x-test-overloaded: 1`` adds ``x-worker-overloaded: 1``), ``x-test-chunks``
+(``x-test-overloaded: 1`` adds ``x-worker-overloaded: 1``; ``x-test-status-for: a,b``
+limits that to the named workers), ``x-test-chunks``
 and ``x-test-delay-ms`` shape an SSE stream, ``x-test-hang`` never answers.
 """
 
@@ -28,7 +29,8 @@ def make_app(worker_id: str) -> web.Application:
         if request.headers.get("x-test-hang"):
             await asyncio.sleep(3600)
         status = request.headers.get("x-test-status")
-        if status:
+        only = request.headers.get("x-test-status-for")
+        if status and (only is None or worker_id in only.split(",")):
             if request.headers.get("x-test-overloaded") == "1":
                 headers["x-worker-overloaded"] = "1"
             return web.json_response(info, status=int(status), headers=headers)
