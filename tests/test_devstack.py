@@ -1,0 +1,85 @@
+"""``make demo``: the local stack comes up on localhost:8000 and Ctrl-C stops all of it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.stack import ROOT, http, wait_until
+
+PORTS = (8000, 9002, 9003, 9901, 8101, 8102)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+
+
+def test_demo_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    if not all(_port_free(p) for p in PORTS):
+        pytest.skip(f"the demo's fixed ports {PORTS} are in use on this machine")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "extproc.devstack",
+            "--speedup",
+            "20",
+            "--logs",
+            str(tmp_path),
+            "--active-decode-blocks-threshold",
+            "0.9",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            return http("GET", "http://127.0.0.1:9901/ready", timeout=1)[0] == 200
+
+        wait_until(up, 60, "demo stack up")
+        children = _children(proc.pid)
+        assert len(children) == 4  # extproc, 2 simulated workers, envoy
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}]}
+        wait_until(
+            lambda: http("POST", "http://127.0.0.1:8000/v1/chat/completions", body)[0] == 200,
+            20,
+            "a routed request",
+        )
+        status, headers, reply = http("POST", "http://127.0.0.1:8000/v1/chat/completions", body)
+        assert headers["x-worker-id"] in ("sim-1", "sim-2")
+        assert json.loads(reply)["usage"]["prompt_tokens"] == 2
+        thresholds = json.loads(http("GET", "http://127.0.0.1:8000/busy_threshold")[2])
+        assert thresholds["thresholds"][0]["active_decode_blocks_threshold"] == 0.9
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    for pid in children:
+        wait_until(
+            lambda pid=pid: (
+                not Path(f"/proc/{pid}").exists()
+                or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+            ),
+            15,
+            f"child {pid} stopped",
+        )
+    assert all(_port_free(p) for p in PORTS)
