@@ -66,6 +66,7 @@ def test_demo_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
             "a routed request",
         )
         status, headers, reply = http("POST", "http://127.0.0.1:8000/v1/chat/completions", body)
+        assert status == 200
         assert headers["x-worker-id"] in ("sim-1", "sim-2")
         assert json.loads(reply)["usage"]["prompt_tokens"] == 2
         thresholds = json.loads(http("GET", "http://127.0.0.1:8000/busy_threshold")[2])

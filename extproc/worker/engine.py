@@ -469,6 +469,7 @@ class EngineLoop:
         if self.core.abort(stream.seq):
             self._streams.pop(stream.seq.seq_id, None)
             stream._wake(finished=True)
+            self._wake.set()  # freed blocks may let a waiting request run
             self._report()
 
     def _report(self) -> None:

@@ -440,7 +440,7 @@ class SimWorker:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except EngineStopped:
-            pass  # the connection closes without [DONE]: the client sees a cut stream
+            response.force_close()  # no [DONE]: the client sees a cut stream
         except ConnectionResetError:
             pass  # client gone; the caller aborts the sequence
         return response

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from extproc.worker.sim import SimWorker, parse_args
-
-StartSim = Callable[..., Awaitable[SimWorker]]
+from tests.worker.support import StartSim
 
 
 @pytest.fixture

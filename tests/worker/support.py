@@ -17,8 +17,12 @@ import zmq
 import zmq.asyncio
 
 from extproc.events.schema import Event, decode
+from extproc.worker.sim import SimWorker
 
 REPO = Path(__file__).resolve().parents[2]
+
+StartSim = Callable[..., Awaitable[SimWorker]]
+"""The ``start_sim`` fixture: ``await start_sim(*flags, env={...})`` -> a started worker."""
 
 
 async def wait_until(
@@ -54,7 +58,7 @@ class Subscriber:
             self.sock.setsockopt(getattr(zmq, name), value)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.bind(endpoint)
-        self.endpoint: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.received: list[tuple[float, Event]] = []
 
     async def next(self, timeout: float = 5.0) -> Event:

@@ -68,7 +68,7 @@ async def test_heartbeat_resends_config_and_every_rank(sub: Subscriber) -> None:
     for rank, blocks in ((0, 5), (1, 6)):
         mine = [e for e in loads if e.dp_rank == rank]
         assert len(mine) >= 3 and all(e.active_decode_blocks == blocks for e in mine)
-    seqs = [e.seq for e in loads]
+    seqs = [e.seq or 0 for e in loads]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one number per load message
 
 
@@ -85,7 +85,7 @@ async def test_debounce_coalesces_a_burst_and_spaces_sends(sub: Subscriber) -> N
         second = await sub.next()
         assert isinstance(second, LoadEvent) and second.active_decode_blocks == 2
         assert time.monotonic() - t_first >= 0.08  # not before the debounce interval
-        assert second.seq == first.seq + 1
+        assert first.seq is not None and second.seq == first.seq + 1
         pub.update_load(0, active_decode_blocks=2)  # unchanged: nothing to send
         assert await sub.drain(0.2) == []
 

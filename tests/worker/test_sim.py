@@ -13,8 +13,7 @@ import pytest
 
 from extproc.openai_request import estimate_tokens
 from extproc.worker.sim import SimWorker
-from tests.worker.conftest import StartSim
-from tests.worker.support import wait_until
+from tests.worker.support import StartSim, wait_until
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -376,8 +375,7 @@ async def test_admission_burst_rejects_exactly_the_excess(
     assert len(ok) == n + q
     assert len(rejected) == k
     expected = (
-        '{"message":"Server overloaded: worker at capacity","type":"%s","code":%d}'
-        % (reason, status)
+        f'{{"message":"Server overloaded: worker at capacity","type":"{reason}","code":{status}}}'
     ).encode()
     for got_status, headers, raw, _ in rejected:
         assert got_status == status
