@@ -196,3 +196,21 @@ async def test_bind_failure_names_the_endpoint() -> None:
     finally:
         pub.close(0)
         sub.close()
+
+
+async def test_subscriber_connects_to_a_binding_publisher() -> None:
+    pool = WorkerPool(BusyThresholds())
+    metrics = Metrics()
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    sub = EventSubscriber(pool, metrics)
+    await sub.start([], [endpoint])
+    try:
+        await _join(pool, pub)
+        assert pool.by_model["m"][0].worker_id == "join"
+    finally:
+        pub.close(0)
+        sub.close()

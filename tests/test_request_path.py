@@ -251,7 +251,7 @@ def test_metrics_and_busy_threshold_routed_to_admin_on_8000(stack: Stack) -> Non
     status, _, body = http("GET", stack.envoy.url + "/metrics")
     assert status == 200 and b"extproc_decisions_total" in body
     status, _, body = http("GET", stack.envoy.url + "/busy_threshold")
-    assert status in (200, 404)  # 404 until the admin threshold API is mounted
+    assert status == 200 and "thresholds" in json.loads(body)
 
 
 # --- separate stacks: no workers yet, overload status variants, TTL --------------------
@@ -313,3 +313,22 @@ def test_ttl_expiry_removes_silent_worker(make_stack: Any) -> None:
     assert time.monotonic() - started >= 0.5
     assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 503
     assert get_json(s.ext.admin + "/health")["workers"] == {"free": 0, "busy": 0, "overloaded": 0}
+
+
+def test_runtime_thresholds_apply_to_the_very_next_request(make_stack: Any) -> None:
+    s = make_stack([])  # started without any threshold: nothing is ever rejected for load
+    s.pub.announce(s.ext, "rt-1", "m", s.endpoint("a"), kv_total_blocks=100)
+    s.pub.load("rt-1", active_decode_blocks=80)
+    wait_until(lambda: s.ext.workers()["rt-1"]["ranks"][0]["reported"]["age_s"] is not None, 5)
+    assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 200
+    post = s.envoy.url + "/busy_threshold"
+    assert http("POST", post, {"model": "m", "active_decode_blocks_threshold": 0.5})[0] == 200
+    assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 529  # no wait for a load event
+    assert http("POST", post, {"model": "m", "active_decode_blocks_threshold": 0.8})[0] == 200
+    assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 200  # 80 > 80 is false
+    assert http("POST", post, {"model": "m", "active_decode_blocks_threshold": 0.1})[0] == 200
+    assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 529
+    off = {"model": "m", "disable": ["active_decode_blocks_threshold"]}
+    status, _, body = http("POST", post, off)
+    assert status == 200 and json.loads(body)["active_decode_blocks_threshold"] is None
+    assert http("POST", s.envoy.url + CHAT, chat("m"))[0] == 200
