@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from extproc.allowlist import WorkerAllowList
-from extproc.busy import BusyThresholds, RankLimits, rank_busy_reason, rank_limits, worker_busy
+from extproc.busy import (
+    BusyThresholds,
+    RankLimits,
+    rank_busy_reason,
+    rank_limits,
+    scaled_limit,
+    worker_busy,
+)
 from extproc.events.schema import (
     DROP_NOT_ALLOWED,
     DROP_SCHEMA,
@@ -94,6 +101,7 @@ class Worker:
         "max_num_batched_tokens",
         "model",
         "overloaded_until",
+        "queue_limit",
         "ranks",
         "worker_id",
         "worker_type",
@@ -115,6 +123,8 @@ class Worker:
         self.overloaded_until = 0.0
         self.last_seq: int | None = None
         self.busy = False
+        # floor(--router-queue-threshold x max_num_batched_tokens), None = never queue.
+        self.queue_limit: int | None = None
 
     def kv_total(self, rank: Rank) -> int | None:
         return (
@@ -160,6 +170,7 @@ class WorkerPool:
         track_output_blocks: bool = False,
         worker_ttl: float = 10.0,
         allow: WorkerAllowList | None = None,
+        queue_threshold: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.defaults = defaults
@@ -173,7 +184,10 @@ class WorkerPool:
         self.thresholds: dict[str, BusyThresholds] = {}
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
+        self.queue_threshold = queue_threshold
         self.on_change: list[Callable[[], None]] = []
+        # Called with a model when its router-tracked prefill may have dropped.
+        self.on_capacity: Callable[[str], None] | None = None
 
     # ----- reading -----------------------------------------------------------------
 
@@ -240,6 +254,11 @@ class WorkerPool:
         worker.max_num_batched_tokens = ev.max_num_batched_tokens
         worker.dp_size = dp_size
         worker.worker_type = ev.worker_type or "decode"
+        worker.queue_limit = (
+            scaled_limit(self.queue_threshold, ev.max_num_batched_tokens)
+            if self.queue_threshold is not None and ev.max_num_batched_tokens
+            else None
+        )
         if not worker.configured or worker.model != ev.model:
             worker.model = ev.model
             worker.configured = True
@@ -250,6 +269,8 @@ class WorkerPool:
                 group.append(worker)
         self._recompute_limits(worker)
         self._changed()
+        if self.on_capacity is not None:
+            self.on_capacity(worker.model)
 
     def _apply_load(self, ev: LoadEvent) -> None:
         now = self.clock()
@@ -356,7 +377,8 @@ class WorkerPool:
         if ticket.released or tokens <= 0:
             return
         rank = ticket.rank
-        if ticket.in_prefill:
+        first = ticket.in_prefill
+        if first:
             ticket.in_prefill = False
             rank.est_prefill -= ticket.prompt_tokens
         ticket.generated += tokens
@@ -365,6 +387,8 @@ class WorkerPool:
             rank.est_blocks += blocks - ticket.blocks
             ticket.blocks = blocks
         self._refresh_rank(ticket.worker, rank)
+        if first and self.on_capacity is not None:
+            self.on_capacity(ticket.worker.model)
 
     def release(self, ticket: Ticket) -> None:
         """Idempotent: the request is over (finished, failed or abandoned)."""
@@ -381,6 +405,8 @@ class WorkerPool:
         prev = self._duration_ewma.get(model)
         self._duration_ewma[model] = duration if prev is None else prev * 0.9 + duration * 0.1
         self._refresh_rank(ticket.worker, rank)
+        if self.on_capacity is not None:
+            self.on_capacity(model)
 
     def mark_overloaded(self, worker: Worker) -> None:
         """A worker-side rejection: skip it until its next load report or 1 s."""

@@ -22,12 +22,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
-from extproc.datastore import Ticket, Worker, WorkerPool
+from extproc.datastore import Rank, Ticket, Worker, WorkerPool
 from extproc.metrics import Metrics
 from extproc.openai_request import INFERENCE_PATHS, BadRequest, parse_body
 from extproc.overload import error_body, reason_phrase
+from extproc.router_queue import RouterQueue
 from extproc.scheduling import Outcome, Scheduler
 
 log = logging.getLogger("extproc.handler")
@@ -139,6 +140,7 @@ _MODEL_NOT_FOUND = immediate(404, error_body("Model not found", 404))
 _INTERNAL_ERROR = immediate(
     500, error_body("Internal error in the load-shedding processor", 500), details="extproc_error"
 )
+_QUEUE = b"queue"  # sentinel: the request waits in the router queue
 _CONTINUES = {
     "request_headers": _CONTINUE_REQUEST_HEADERS,
     "request_body": _CONTINUE_REQUEST_BODY,
@@ -156,11 +158,12 @@ def _header_value(h: Any) -> str:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("done", "endpoint_label", "model", "ticket", "worker")
+    __slots__ = ("done", "endpoint_label", "model", "prompt_tokens", "ticket", "worker")
 
     def __init__(self) -> None:
         self.endpoint_label: str | None = None
         self.model = ""
+        self.prompt_tokens = 0
         self.ticket: Ticket | None = None
         self.worker: Worker | None = None
         self.done = False
@@ -176,9 +179,16 @@ class ExtProcHandler:
         metrics: Metrics,
         *,
         overload_status: int = 529,
+        queue: RouterQueue | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
+        self.queue = queue
+        # While a request waits in the router queue Envoy must not time the message out.
+        wait = int(queue.timeout) + 2 if queue is not None else 1
+        self._extend_timeout = _serialize(
+            ep.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=wait))
+        )
         self.scheduler = scheduler
         self.metrics = metrics
         self.overload_status = overload_status
@@ -213,6 +223,10 @@ class ExtProcHandler:
                 try:
                     if kind == "request_body":
                         reply = self._on_request_body(st, req.request_body)
+                        if reply is _QUEUE:
+                            # Wait in the router: first tell Envoy to wait longer.
+                            yield self._extend_timeout
+                            reply = await self._wait_in_queue(st)
                     elif kind == "request_headers":
                         reply = self._on_request_headers(st, req.request_headers)
                     elif kind == "response_headers":
@@ -266,11 +280,42 @@ class ExtProcHandler:
         except BadRequest as exc:
             return self._bad_request(str(exc))
         st.model = model = request.model
-        outcome, worker, rank = self.scheduler.pick(model)
+        st.prompt_tokens = request.prompt_tokens
+        queue = self.queue
+        if queue is not None and queue.waiting(model):
+            outcome, worker, rank = Outcome.QUEUED, None, None  # FIFO: no overtaking
+        else:
+            outcome, worker, rank = self.scheduler.pick(model)
+        if outcome is Outcome.QUEUED and queue is not None:
+            self.metrics.decision_seconds.observe(self.clock() - started)
+            return _QUEUE
+        reply = self._reply(st, outcome, worker, rank)
+        self.metrics.decision_seconds.observe(self.clock() - started)
+        return reply
+
+    async def _wait_in_queue(self, st: _Stream) -> bytes:
+        assert self.queue is not None
+        started = self.clock()
+        result = await self.queue.wait(st.model, lambda: self._attempt(st.model))
+        self.metrics.queue_wait.observe(self.clock() - started)
+        if result is None:
+            self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
+            self.metrics.outcome["queue_timeout"].inc()
+            return self._overloaded[self.pool.retry_after(st.model)]
+        return self._reply(st, *result)
+
+    def _attempt(self, model: str) -> tuple[Outcome, Worker | None, Rank | None] | None:
+        picked = self.scheduler.pick(model)
+        return None if picked[0] is Outcome.QUEUED else picked
+
+    def _reply(
+        self, st: _Stream, outcome: Outcome, worker: Worker | None, rank: Rank | None
+    ) -> bytes:
+        model = st.model
         m = self.metrics
         if outcome is Outcome.ROUTED:
             assert worker is not None and rank is not None
-            st.ticket = self.pool.dispatch(worker, rank, request.prompt_tokens)
+            st.ticket = self.pool.dispatch(worker, rank, st.prompt_tokens)
             st.worker = worker
             key = (worker.endpoint, *self.scheduler.fallbacks(model, worker, MAX_FALLBACKS))
             reply = self._routes.get(key)
@@ -286,7 +331,6 @@ class ExtProcHandler:
         else:
             reply = _MODEL_NOT_FOUND
         m.outcome[outcome.value].inc()
-        m.decision_seconds.observe(self.clock() - started)
         return reply
 
     def _bad_request(self, message: str) -> bytes:

@@ -7,7 +7,7 @@ worker that leaves takes its series with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -83,14 +83,16 @@ class Metrics:
         self.topic = _Children(self.events)
         self.dropped = _Children(self.events_dropped)
 
-    def attach(self, pool: WorkerPool, queue_depth: dict[str, int] | None = None) -> None:
-        self.registry.register(PoolCollector(pool, queue_depth if queue_depth is not None else {}))
+    def attach(
+        self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]] | None = None
+    ) -> None:
+        self.registry.register(PoolCollector(pool, queue_depth or dict))
 
 
 class PoolCollector(Collector):
     """Scrape-time gauges read from the pool."""
 
-    def __init__(self, pool: WorkerPool, queue_depth: dict[str, int]) -> None:
+    def __init__(self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]]) -> None:
         self.pool = pool
         self.queue_depth = queue_depth
 
@@ -127,6 +129,6 @@ class PoolCollector(Collector):
         depth = GaugeMetricFamily(
             "extproc_router_queue_depth", "Requests waiting in the router queue.", labels=["model"]
         )
-        for model, n in self.queue_depth.items():
+        for model, n in self.queue_depth().items():
             depth.add_metric([model], n)
         yield depth

@@ -19,12 +19,19 @@ class Outcome(StrEnum):
     OVERLOADED = "overloaded"
     NO_WORKERS = "no_workers"
     MODEL_NOT_FOUND = "model_not_found"
+    QUEUED = "queued"  # free workers exist, but each has too much prefill in flight
 
 
 def _rank_key(worker: Worker, rank: Rank) -> tuple[float, int]:
     blocks = rank.decode_blocks or 0
     total = worker.kv_total(rank)
     return (blocks / total if total else float(blocks), rank.prefill_tokens or 0)
+
+
+def _queue_full(worker: Worker, rank: Rank | None) -> bool:
+    """Router-tracked prefill on the rank is above the worker's queue limit."""
+    limit = worker.queue_limit
+    return limit is not None and rank is not None and rank.est_prefill > limit
 
 
 def _best_rank(worker: Worker) -> Rank:
@@ -45,9 +52,16 @@ def _best_rank(worker: Worker) -> Rank:
 class Scheduler:
     """Stateful only for rotation; everything else is read from the pool."""
 
-    def __init__(self, pool: WorkerPool, mode: str = "kv", rng: random.Random | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        mode: str = "kv",
+        rng: random.Random | None = None,
+        queue_threshold: float | None = None,
+    ):
         self.pool = pool
         self.mode = mode
+        self.queue_threshold = queue_threshold
         self._turn = 0
         self._rng = rng or random.Random()
 
@@ -75,13 +89,38 @@ class Scheduler:
                     best, best_rank, best_key = w, rank, key
             if best is None:
                 return Outcome.OVERLOADED, None, None
+            if self.queue_threshold is not None and _queue_full(best, best_rank):
+                return self._queue_or_other(workers, now)
             return Outcome.ROUTED, best, best_rank
         free = [w for w in workers if not w.busy and now >= w.overloaded_until]
-
         if not free:
             return Outcome.OVERLOADED, None, None
+        if self.queue_threshold is not None:
+            free = [w for w in free if not _queue_full(w, _best_rank(w))]
+            if not free:
+                return Outcome.QUEUED, None, None
         w = free[turn % len(free)] if self.mode == "round-robin" else self._rng.choice(free)
         return Outcome.ROUTED, w, _best_rank(w)
+
+    def _queue_or_other(
+        self, workers: list[Worker], now: float
+    ) -> tuple[Outcome, Worker | None, Rank | None]:
+        """The least-loaded free worker is queue-full: any other free one that is not?"""
+        best: Worker | None = None
+        best_rank: Rank | None = None
+        best_key: tuple[float, int] = (0.0, 0)
+        for w in workers:
+            if w.busy or now < w.overloaded_until:
+                continue
+            rank = _best_rank(w)
+            if _queue_full(w, rank):
+                continue
+            key = _rank_key(w, rank)
+            if best is None or key < best_key:
+                best, best_rank, best_key = w, rank, key
+        if best is None:
+            return Outcome.QUEUED, None, None
+        return Outcome.ROUTED, best, best_rank
 
     def fallbacks(self, model: str, chosen: Worker, limit: int) -> tuple[str, ...]:
         """Endpoints of up to ``limit`` other free workers of the model, for retries."""

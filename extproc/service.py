@@ -18,6 +18,7 @@ from extproc.datastore import WorkerPool
 from extproc.events.subscriber import EventBindError, EventSubscriber
 from extproc.handler import ExtProcHandler
 from extproc.metrics import Metrics
+from extproc.router_queue import RouterQueue
 from extproc.scheduling import Scheduler
 from extproc.settings import Settings, all_startup_warnings
 
@@ -48,6 +49,7 @@ def build_pool(settings: Settings) -> WorkerPool:
         track_output_blocks=settings.router_track_output_blocks,
         worker_ttl=settings.worker_ttl,
         allow=WorkerAllowList.from_entries(settings.worker_allow),
+        queue_threshold=settings.router_queue_threshold,
     )
 
 
@@ -69,8 +71,15 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     pool = build_pool(settings)
+    queue = (
+        RouterQueue(settings.router_queue_timeout)
+        if settings.router_queue_threshold is not None
+        else None
+    )
+    if queue is not None:
+        pool.on_capacity = queue.notify
     metrics = Metrics()
-    metrics.attach(pool)
+    metrics.attach(pool, queue.depth if queue is not None else None)
     readiness = Readiness()
 
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
@@ -100,9 +109,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
 
     handler = ExtProcHandler(
         pool,
-        Scheduler(pool, settings.router_mode),
+        Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
         metrics,
         overload_status=settings.overload_status,
+        queue=queue,
     )
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler.generic_handler(),))

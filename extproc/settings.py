@@ -230,7 +230,15 @@ class Settings(BaseSettings):
             raise ValueError("expected a TCP port 0-65535")
         return value
 
-    @field_validator("worker_ttl", "router_queue_timeout", mode="before")
+    @field_validator("router_queue_timeout", mode="before")
+    @classmethod
+    def _queue_timeout(cls, v: Any) -> float:
+        value = _opt_float(v, 0.0, 28.0, "seconds in (0, 28] (Envoy's max_message_timeout is 30 s)")
+        if not value:
+            raise ValueError("expected seconds in (0, 28] (Envoy's max_message_timeout is 30 s)")
+        return value
+
+    @field_validator("worker_ttl", mode="before")
     @classmethod
     def _seconds(cls, v: Any) -> float:
         value = _opt_float(v, 0.0, 86400.0, "a number of seconds > 0")
@@ -290,11 +298,6 @@ class Settings(BaseSettings):
                 f"--active-decode-blocks-threshold={self.active_decode_blocks_threshold} is "
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
-            )
-        if self.router_queue_threshold is not None:
-            warnings.append(
-                f"--router-queue-threshold={self.router_queue_threshold} is accepted but router "
-                "queueing is not implemented in this version: requests are not held"
             )
         if self.admin_host not in ("127.0.0.1", "::1", "localhost") and not self.admin_token:
             warnings.append(
