@@ -123,7 +123,7 @@ async def test_small_requests_are_not_held_and_disconnect_leaves_queue(stack: St
         5,
         "hog in",
     )
-    reader, writer = await asyncio.open_connection("127.0.0.1", stack.envoy.port)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", stack.envoy.port)
     body = json.dumps({"model": "m", "prompt": "hi"}).encode()
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
