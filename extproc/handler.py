@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.datastore import Rank, Ticket, Worker, WorkerPool
 from extproc.metrics import Metrics
-from extproc.openai_request import INFERENCE_PATHS, BadRequest, parse_body
+from extproc.openai_request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 from extproc.overload import error_body, reason_phrase
 from extproc.router_queue import RouterQueue
 from extproc.scheduling import Outcome, Scheduler
@@ -180,9 +180,11 @@ class ExtProcHandler:
         *,
         overload_status: int = 529,
         queue: RouterQueue | None = None,
+        tokenizer: PromptTokenizer | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
+        self.tokenizer = tokenizer
         self.queue = queue
         # While a request waits in the router queue Envoy must not time the message out.
         wait = int(queue.timeout) + 2 if queue is not None else 1
@@ -276,7 +278,7 @@ class ExtProcHandler:
             return _CONTINUE_REQUEST_BODY
         started = self.clock()
         try:
-            request = parse_body(msg.body)
+            request = parse_body(msg.body, self.tokenizer)
         except BadRequest as exc:
             return self._bad_request(str(exc))
         st.model = model = request.model

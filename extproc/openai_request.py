@@ -1,11 +1,12 @@
 """What the router reads from an OpenAI request body: model, stream, prompt size.
 
-Prompt tokens are estimated as ``ceil(n / 4)`` where ``n`` is the UTF-8 byte
-length of the prompt text: the concatenated ``content`` strings (and text
-parts) of ``messages`` for chat, ``prompt`` for completions, ``input`` for
-embeddings and responses. A list of token ids counts its length. The
-simulated worker counts the same way, so router estimates and worker reports
-agree.
+Prompt tokens are estimated, unless a local ``tokenizer.json`` is configured
+(``--tokenizer``, counted exactly with the ``tokenizers`` library), as
+``ceil(n / 4)`` where ``n`` is the UTF-8 byte length of the prompt text: the
+concatenated ``content`` strings (and text parts) of ``messages`` for chat,
+``prompt`` for completions, ``input`` for embeddings and responses. A list of
+token ids counts its length. The simulated worker counts the same way, so router
+estimates and worker reports agree.
 """
 
 from __future__ import annotations
@@ -81,7 +82,56 @@ def estimate_tokens(value: Any) -> int:
     return -(-nbytes // 4) + ids
 
 
-def parse_body(body: bytes) -> InferenceRequest:
+def _prompt_texts(value: Any, texts: list[str]) -> int:
+    """Collect the prompt text pieces (same walk as the estimate); return token-id count."""
+    if isinstance(value, str):
+        texts.append(value)
+        return 0
+    if isinstance(value, list):
+        ids = 0
+        for item in value:
+            if isinstance(item, int) and not isinstance(item, bool):
+                ids += 1
+            else:
+                ids += _prompt_texts(item, texts)
+        return ids
+    if isinstance(value, dict):
+        content = value.get("content")
+        if content is not None:
+            return _prompt_texts(content, texts)
+        text = value.get("text")
+        if isinstance(text, str):
+            texts.append(text)
+    return 0
+
+
+class PromptTokenizer:
+    """Exact prompt counts from a local ``tokenizer.json`` (never fetched from a hub)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                "--tokenizer needs the 'tokenizers' package: "
+                "pip install 'envoy-llm-shedder[tokenizer]'"
+            ) from None
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:
+            raise ValueError(f"cannot load tokenizer file {path!r}: {exc}") from None
+        self.path = path
+
+    def count(self, value: Any) -> int:
+        texts: list[str] = []
+        ids = _prompt_texts(value, texts)
+        if not texts:
+            return ids
+        text = "".join(texts)
+        return ids + len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def parse_body(body: bytes, tokenizer: PromptTokenizer | None = None) -> InferenceRequest:
     """Read an inference request body; raise BadRequest naming what is wrong."""
     try:
         parsed = _decoder.decode(body)
@@ -100,6 +150,5 @@ def parse_body(body: bytes) -> InferenceRequest:
         prompt = parsed.prompt
     else:
         prompt = parsed.input
-    return InferenceRequest(
-        model=model, stream=parsed.stream is True, prompt_tokens=estimate_tokens(prompt)
-    )
+    tokens = estimate_tokens(prompt) if tokenizer is None else tokenizer.count(prompt)
+    return InferenceRequest(model=model, stream=parsed.stream is True, prompt_tokens=tokens)

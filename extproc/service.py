@@ -18,6 +18,7 @@ from extproc.datastore import WorkerPool
 from extproc.events.subscriber import EventBindError, EventSubscriber
 from extproc.handler import ExtProcHandler
 from extproc.metrics import Metrics
+from extproc.openai_request import PromptTokenizer
 from extproc.router_queue import RouterQueue
 from extproc.scheduling import Scheduler
 from extproc.settings import Settings, all_startup_warnings
@@ -107,12 +108,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         return 1
     readiness.events_bound = True
 
+    try:
+        tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
+    except ValueError as exc:
+        log.error("%s", exc)
+        subscriber.close()
+        await runner.cleanup()
+        return 2
     handler = ExtProcHandler(
         pool,
         Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
         metrics,
         overload_status=settings.overload_status,
         queue=queue,
+        tokenizer=tokenizer,
     )
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler.generic_handler(),))

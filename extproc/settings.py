@@ -117,6 +117,7 @@ SETTING_NAMES: dict[str, tuple[str, str]] = {
     "event_connect": ("--event-connect", "EXTPROC_EVENT_CONNECT"),
     "worker_ttl": ("--worker-ttl", "EXTPROC_WORKER_TTL"),
     "worker_allow": ("--worker-allow", "EXTPROC_WORKER_ALLOW"),
+    "tokenizer": ("--tokenizer", "EXTPROC_TOKENIZER"),
     "log_level": ("--log-level", "EXTPROC_LOG_LEVEL"),
 }
 
@@ -157,6 +158,7 @@ class Settings(BaseSettings):
     event_connect: list[str] = Field(default_factory=list, validation_alias="EXTPROC_EVENT_CONNECT")
     worker_ttl: float = Field(10.0, validation_alias="EXTPROC_WORKER_TTL")
     worker_allow: list[str] = Field(default_factory=list, validation_alias="EXTPROC_WORKER_ALLOW")
+    tokenizer: str | None = Field(None, validation_alias="EXTPROC_TOKENIZER")
     log_level: str = Field("INFO", validation_alias="EXTPROC_LOG_LEVEL")
     overload_status: int = 529
 
@@ -270,6 +272,16 @@ class Settings(BaseSettings):
             parse_allow_entry(entry)
         return v
 
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _tokenizer(cls, v: Any) -> str | None:
+        if v is None or not str(v).strip() or str(v).strip() in _DISABLED:
+            return None
+        path = str(v).strip()
+        if not os.path.isfile(path):
+            raise ValueError(f"expected a local tokenizer.json file; {path!r} does not exist")
+        return path
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level(cls, v: Any) -> str:
@@ -376,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
         "router_queue_timeout",
         "seconds a request may wait in the router queue before the overload reply. Default: 5",
         metavar="SECONDS",
+    )
+    add(
+        router,
+        "tokenizer",
+        "path of a local tokenizer.json for exact prompt-token counts (tokenizers library; "
+        "never downloaded). Default: estimate ceil(UTF-8 bytes / 4)",
+        metavar="PATH",
     )
     add(
         router,

@@ -222,3 +222,8 @@ def test_event_bind_failure_exits_nonzero_naming_endpoint(tmp_path: object) -> N
         )
     assert proc.returncode != 0
     assert f"tcp://127.0.0.1:{port}" in proc.stderr
+
+
+def test_tokenizer_path_must_exist() -> None:
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings(["--tokenizer", "/nonexistent/tokenizer.json"], {})
