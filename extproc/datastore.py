@@ -390,6 +390,17 @@ class WorkerPool:
         if first and self.on_capacity is not None:
             self.on_capacity(ticket.worker.model)
 
+    def prefill_done(self, ticket: Ticket) -> None:
+        """The response started without a token count: the prompt leaves prefill."""
+        if ticket.released or not ticket.in_prefill:
+            return
+        ticket.in_prefill = False
+        rank = ticket.rank
+        rank.est_prefill -= ticket.prompt_tokens
+        self._refresh_rank(ticket.worker, rank)
+        if self.on_capacity is not None:
+            self.on_capacity(ticket.worker.model)
+
     def release(self, ticket: Ticket) -> None:
         """Idempotent: the request is over (finished, failed or abandoned)."""
         if ticket.released:

@@ -27,6 +27,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from extproc.datastore import Rank, Ticket, Worker, WorkerPool
 from extproc.metrics import Metrics
 from extproc.openai_request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
+from extproc.output_tokens import sse_tokens, usage_tokens
 from extproc.overload import error_body, reason_phrase
 from extproc.router_queue import RouterQueue
 from extproc.scheduling import Outcome, Scheduler
@@ -40,6 +41,9 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
 MAX_FALLBACKS = 2
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
+REQUEST_ID_HEADER = "x-request-id"
+# gRPC initial metadata of the observability-mode filter (counts output tokens only).
+ROLE_METADATA = "x-extproc-role"
 _PM = processing_mode_pb2.ProcessingMode
 
 
@@ -158,15 +162,24 @@ def _header_value(h: Any) -> str:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("done", "endpoint_label", "model", "prompt_tokens", "ticket", "worker")
+    __slots__ = (
+        "endpoint_label",
+        "model",
+        "prompt_tokens",
+        "request_id",
+        "stream",
+        "ticket",
+        "worker",
+    )
 
     def __init__(self) -> None:
         self.endpoint_label: str | None = None
         self.model = ""
         self.prompt_tokens = 0
+        self.request_id: str | None = None
+        self.stream = False
         self.ticket: Ticket | None = None
         self.worker: Worker | None = None
-        self.done = False
 
 
 class ExtProcHandler:
@@ -202,6 +215,10 @@ class ExtProcHandler:
         self._type = reason_phrase(overload_status)
         self._models_reply: tuple[tuple[str, ...], bytes] | None = None
         self._routes: dict[tuple[str, ...], bytes] = {}
+        # Routed requests by x-request-id, for the observability filter's streams.
+        self._live: dict[str, _Stream] = {}
+        # Set once an observability-mode stream arrives: output is counted from bodies.
+        self._observed = False
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -218,6 +235,10 @@ class ExtProcHandler:
     async def process(
         self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
+        for key, value in context.invocation_metadata() or ():
+            if key == ROLE_METADATA and value == "observe":
+                await self._observe(requests)
+                return
         st = _Stream()
         try:
             async for req in requests:
@@ -248,6 +269,8 @@ class ExtProcHandler:
         finally:
             if st.ticket is not None:
                 self.pool.release(st.ticket)
+            if st.request_id is not None:
+                self._live.pop(st.request_id, None)
 
     # ----- request phase ---------------------------------------------------------------
 
@@ -259,6 +282,8 @@ class ExtProcHandler:
                 path = _header_value(h)
             elif key == ":method":
                 method = _header_value(h)
+            elif key == REQUEST_ID_HEADER:
+                st.request_id = _header_value(h)
         path = path.split("?", 1)[0]
         label = INFERENCE_PATHS.get(path) if method == "POST" else None
         if label is None:
@@ -283,6 +308,7 @@ class ExtProcHandler:
             return self._bad_request(str(exc))
         st.model = model = request.model
         st.prompt_tokens = request.prompt_tokens
+        st.stream = request.stream
         queue = self.queue
         if queue is not None and queue.waiting(model):
             outcome, worker, rank = Outcome.QUEUED, None, None  # FIFO: no overtaking
@@ -318,6 +344,8 @@ class ExtProcHandler:
         if outcome is Outcome.ROUTED:
             assert worker is not None and rank is not None
             st.ticket = self.pool.dispatch(worker, rank, st.prompt_tokens)
+            if st.request_id is not None:
+                self._live[st.request_id] = st
             st.worker = worker
             key = (worker.endpoint, *self.scheduler.fallbacks(model, worker, MAX_FALLBACKS))
             reply = self._routes.get(key)
@@ -375,17 +403,49 @@ class ExtProcHandler:
             if st.ticket is not None:
                 self.pool.release(st.ticket)
             return self._overloaded[1]
-        if msg.end_of_stream and st.ticket is not None:
-            self.pool.release(st.ticket)
+        ticket = st.ticket
+        if ticket is not None:
+            if msg.end_of_stream:
+                self.pool.release(ticket)
+            elif st.stream and not self._observed and 200 <= status < 300:
+                # No body observation: the stream has started, so prefill is over.
+                self.pool.prefill_done(ticket)
         return _CONTINUE_RESPONSE_HEADERS
 
     def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
         ticket = st.ticket
         if ticket is not None:
-            body = msg.body
-            tokens = body.count(b"data:") - body.count(b"data: [DONE]")
-            if tokens > 0:
-                self.pool.generated(ticket, tokens)
+            self._count_output(st, msg.body)
             if msg.end_of_stream:
                 self.pool.release(ticket)
         return _CONTINUE_RESPONSE_BODY
+
+    def _count_output(self, st: _Stream, body: bytes) -> None:
+        ticket = st.ticket
+        if ticket is None or ticket.released:
+            return
+        if st.stream:
+            tokens = sse_tokens(body)
+        else:
+            usage = usage_tokens(body)
+            tokens = 0 if usage is None else usage - ticket.generated
+        if tokens > 0:
+            self.pool.generated(ticket, tokens)
+
+    async def _observe(self, requests: AsyncIterator[ep.ProcessingRequest]) -> None:
+        """A stream of the observability-mode filter: count output, reply nothing.
+
+        It is paired with the request's routing stream by ``x-request-id``.
+        """
+        st: _Stream | None = None
+        self._observed = True
+        async for req in requests:
+            kind = req.WhichOneof("request")
+            if kind == "response_body":
+                if st is not None:
+                    self._count_output(st, req.response_body.body)
+            elif kind == "request_headers":
+                for h in req.request_headers.headers.headers:
+                    if h.key == REQUEST_ID_HEADER:
+                        st = self._live.get(_header_value(h))
+                        break

@@ -60,6 +60,7 @@ REPLY = json.dumps(
 
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
 ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+ROUTER_FILTER = "envoy.filters.http.router"
 
 
 def worker_config(port: int, admin_port: int) -> dict[str, Any]:
@@ -92,20 +93,26 @@ def worker_config(port: int, admin_port: int) -> dict[str, Any]:
     return {"admin": admin, "static_resources": {"listeners": [listener]}}
 
 
-def add_direct_listener(port: int, response_phase: str) -> Any:
+def add_direct_listener(port: int, response_phase: str, observer: bool) -> Any:
     def tweak(cfg: dict[str, Any]) -> None:
         listeners = cfg["static_resources"]["listeners"]
-        for f in listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]:
+        main = listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
+        for f in main["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_proc":
                 f["typed_config"]["processing_mode"]["response_header_mode"] = response_phase
+        if not observer:
+            main["http_filters"] = [
+                f for f in main["http_filters"] if f["name"] != "extproc.observe"
+            ]
+            for vh in main["route_config"]["virtual_hosts"]:
+                for route in vh["routes"]:
+                    route.get("typed_per_filter_config", {}).pop("extproc.observe", None)
         direct = copy.deepcopy(listeners[0])
         direct["name"] = "direct"
         direct["address"]["socket_address"]["port_value"] = port
         hcm = direct["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["stat_prefix"] = "direct"
-        hcm["http_filters"] = [
-            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
-        ]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == ROUTER_FILTER]
         for vh in hcm["route_config"]["virtual_hosts"]:
             for route in vh["routes"]:
                 route.pop("typed_per_filter_config", None)
@@ -178,6 +185,11 @@ def main() -> int:
         help="ext_proc response_header_mode: SEND (default config: worker-side rejections "
         "are turned into the frontend reply) or SKIP (lean: one message less per request)",
     )
+    parser.add_argument(
+        "--no-observer",
+        action="store_true",
+        help="remove the observability-mode filter (streamed-body token counting)",
+    )
     args = parser.parse_args()
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install wrk", file=sys.stderr)
@@ -220,7 +232,10 @@ def main() -> int:
         procs.append(ext)
         direct_port = free_port()
         envoy = Envoy(
-            tmp, ext, [wport], tweak=add_direct_listener(direct_port, args.response_phase)
+            tmp,
+            ext,
+            [wport],
+            tweak=add_direct_listener(direct_port, args.response_phase, not args.no_observer),
         )
         procs.append(envoy)
         pub = Publisher(ext.event_endpoint)
@@ -265,7 +280,8 @@ def main() -> int:
         print(
             f"\nwrk -t1, {args.duration:g} s per run, {args.rounds} alternating rounds, "
             "medians; worker = Envoy direct_response; one Envoy, same cluster; "
-            f"ext_proc response_header_mode {args.response_phase}\n"
+            f"ext_proc response_header_mode {args.response_phase}; observability filter "
+            f"{'off' if args.no_observer else 'on'}\n"
         )
         print("| concurrency | path | p50 ms | p99 ms | req/s |")
         print("|---|---|---|---|---|")

@@ -1,0 +1,172 @@
+"""What observing streamed response bodies costs: inter-token latency and extproc CPU per token.
+
+Three Envoy configurations, same echo worker (SSE, one token per event at a fixed
+interval), same load, one run:
+
+- ``none``: response bodies are not sent to the extproc (response_body_mode NONE);
+- ``blocking``: the routing filter gets every body chunk (STREAMED) and Envoy waits
+  for its reply before forwarding the chunk;
+- ``observe``: a second ext_proc filter in observability_mode gets the chunks;
+  Envoy does not wait, the extproc does not reply.
+
+    python loadtest/stream_bench.py [--streams 8] [--tokens 200] [--interval-ms 5] [--rounds 3]
+
+Reports client-side inter-token gaps (p50/p99, ms), their excess over ``none``, and
+the extproc's CPU seconds (user+system, from /proc) per streamed token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.stack import Envoy, Extproc, Publisher, start_echo_worker
+
+EXT_PROC = "envoy.filters.http.ext_proc"
+OBSERVER = "extproc.observe"
+
+
+def _filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return hcm["typed_config"]["http_filters"]  # type: ignore[no-any-return]
+
+
+def design(name: str) -> Any:
+    """``observe`` is envoy/envoy.yaml as shipped; the others remove its observer filter."""
+
+    def tweak(cfg: dict[str, Any]) -> None:
+        if name == "observe":
+            return
+        filters = _filters(cfg)
+        filters[:] = [f for f in filters if f["name"] != OBSERVER]
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        for route in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
+            route.get("typed_per_filter_config", {}).pop(OBSERVER, None)
+        if name == "blocking":
+            main = next(f for f in filters if f["name"] == EXT_PROC)
+            main["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
+
+    return tweak
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, tokens: int, interval_ms: int
+) -> list[float]:
+    body = {"model": "m", "prompt": "hi", "stream": True}
+    headers = {"x-test-chunks": str(tokens), "x-test-delay-ms": str(interval_ms)}
+    gaps: list[float] = []
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, resp.status
+        last: float | None = None
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            buf += chunk
+            events = buf.count(b"\n\n")
+            buf = buf[buf.rfind(b"\n\n") + 2 :] if events else buf
+            for _ in range(events):
+                if last is not None:
+                    gaps.append((now - last) * 1000)
+                last = now
+    return gaps
+
+
+async def run_load(url: str, streams: int, tokens: int, interval_ms: int) -> list[float]:
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(one_stream(session, url, tokens, interval_ms) for _ in range(streams))
+            ),
+            timeout=60 + tokens * interval_ms / 1000 * 3,
+        )
+    return [g for r in results for g in r]
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams")
+    parser.add_argument("--tokens", type=int, default=200, help="SSE events per stream")
+    parser.add_argument("--interval-ms", type=int, default=5, help="worker's gap between events")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per design")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="stream-bench-"))
+    worker, port = start_echo_worker(tmp, "w")
+    designs = ("none", "blocking", "observe")
+    stacks: dict[str, tuple[Extproc, Envoy, Publisher]] = {}
+    try:
+        for name in designs:
+            ext = Extproc(
+                tmp,
+                ["--log-level", "WARNING", "--worker-ttl", "3600", "--router-track-output-blocks"],
+            )
+            env = Envoy(tmp, ext, [port], tweak=design(name))
+            pub = Publisher(ext.event_endpoint)
+            pub.announce(ext, "w", "m", f"127.0.0.1:{port}", kv_total_blocks=100000)
+            stacks[name] = (ext, env, pub)
+        gaps: dict[str, list[float]] = {n: [] for n in designs}
+        cpu: dict[str, float] = dict.fromkeys(designs, 0.0)
+        ntok: dict[str, int] = dict.fromkeys(designs, 0)
+        for name in designs:  # warm-up
+            asyncio.run(run_load(stacks[name][1].url, 2, 20, args.interval_ms))
+        for _ in range(args.rounds):
+            for name in designs:
+                ext, env, _ = stacks[name]
+                c0 = cpu_seconds(ext.proc.pid)
+                g = asyncio.run(run_load(env.url, args.streams, args.tokens, args.interval_ms))
+                cpu[name] += cpu_seconds(ext.proc.pid) - c0
+                ntok[name] += args.streams * args.tokens
+                gaps[name].extend(g)
+        base50, base99 = pct(gaps["none"], 50), pct(gaps["none"], 99)
+        print(
+            f"\n{args.streams} streams x {args.tokens} tokens, worker gap {args.interval_ms} ms, "
+            f"{args.rounds} alternating rounds; inter-token gaps at the client\n"
+        )
+        print("| design | ITL p50 ms | ITL p99 ms | added p50 | added p99 | extproc CPU µs/token |")
+        print("|---|---|---|---|---|---|")
+        for name in designs:
+            p50, p99 = pct(gaps[name], 50), pct(gaps[name], 99)
+            print(
+                f"| {name} | {p50:.2f} | {p99:.2f} | {p50 - base50:+.2f} | {p99 - base99:+.2f} "
+                f"| {cpu[name] / ntok[name] * 1e6:.0f} |"
+            )
+        # Sanity: with observation the router saw the tokens (estimate back to 0 after).
+        for name in designs:
+            ext = stacks[name][0]
+            rank = ext.workers()["w"]["ranks"][0]["router_estimate"]
+            assert rank["requests_in_flight"] == 0, (name, rank)
+        print(
+            "\nmedian of per-round means: "
+            + ", ".join(f"{n} {statistics.mean(gaps[n]):.2f} ms" for n in designs)
+        )
+        return 0
+    finally:
+        for ext, env, pub in stacks.values():
+            pub.close()
+            env.stop()
+            ext.stop()
+        worker.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
