@@ -28,7 +28,7 @@ from extproc.datastore import Rank, Ticket, Worker, WorkerPool
 from extproc.metrics import Metrics
 from extproc.openai_request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 from extproc.output_tokens import sse_tokens, usage_tokens
-from extproc.overload import error_body, reason_phrase
+from extproc.overload import error_body
 from extproc.router_queue import RouterQueue
 from extproc.scheduling import Outcome, Scheduler
 
@@ -212,7 +212,6 @@ class ExtProcHandler:
         self._overloaded = {
             s: immediate(overload_status, body, {"retry-after": str(s)}) for s in range(1, 61)
         }
-        self._type = reason_phrase(overload_status)
         self._models_reply: tuple[tuple[str, ...], bytes] | None = None
         self._routes: dict[tuple[str, ...], bytes] = {}
         # Routed requests by x-request-id, for the observability filter's streams.
@@ -441,11 +440,14 @@ class ExtProcHandler:
         self._observed = True
         async for req in requests:
             kind = req.WhichOneof("request")
-            if kind == "response_body":
-                if st is not None:
-                    self._count_output(st, req.response_body.body)
-            elif kind == "request_headers":
-                for h in req.request_headers.headers.headers:
-                    if h.key == REQUEST_ID_HEADER:
-                        st = self._live.get(_header_value(h))
-                        break
+            try:
+                if kind == "response_body":
+                    if st is not None:
+                        self._count_output(st, req.response_body.body)
+                elif kind == "request_headers":
+                    for h in req.request_headers.headers.headers:
+                        if h.key == REQUEST_ID_HEADER:
+                            st = self._live.get(_header_value(h))
+                            break
+            except Exception:  # an observer must never break the stream
+                log.exception("error counting output tokens; ignored")
