@@ -15,14 +15,14 @@ being repeated for ``--engine-down-grace`` seconds, then the agent says ``bye``
 and announces the worker again when the metrics come back.
 
 With ``--listen H:P`` the agent is also an HTTP reverse proxy in front of the
-engine (responses, SSE included, are streamed through chunk by chunk with their
-status and headers), counts the prompt tokens of requests it forwards, and with
-``--engine-request-limit N`` applies worker-side admission (N in the engine, Q =
-``DYN_DYNAMO_REQUEST_QUEUE_LIMIT`` waiting, the rest rejected with the overload
-status, ``x-worker-overloaded: 1`` and a flat JSON body). ``GET /metrics``
-through the proxy returns the engine's metrics plus the ``dynamo_*`` admission
-series. The announced endpoint is then the listen address unless ``--endpoint``
-says otherwise.
+engine (:mod:`extproc.worker.proxy`; responses, SSE included, are streamed
+through chunk by chunk with their status and headers), counts the prompt tokens
+of requests it forwards, and with ``--engine-request-limit N`` applies
+worker-side admission (N in the engine, Q = ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``
+waiting, the rest rejected with the overload status, ``x-worker-overloaded: 1``
+and a flat JSON body). ``GET /metrics`` through the proxy returns the engine's
+metrics plus the ``dynamo_*`` admission series. The announced endpoint is then
+the listen address unless ``--endpoint`` says otherwise.
 
 How engine metrics become event fields. Each cell lists sources in order, the
 first one present wins; a flag applies only when the engine does not print the
@@ -88,33 +88,22 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import os
-import signal
-import socket
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import msgspec
-import zmq
-from aiohttp import web
-from multidict import CIMultiDict
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from yarl import URL
 
-from extproc.events.schema import ConfigEvent, EventRejected, decode, encode, parse_endpoint
-from extproc.openai_request import INFERENCE_PATHS, BadRequest, parse_body
-from extproc.overload import error_body
+from extproc.events.schema import ConfigEvent, EventRejected, decode, encode
+from extproc.worker import cli
 from extproc.worker.admission import (
     ENGINE_LIMIT_ENV,
-    QUEUE_LIMIT_ENV,
     Admission,
     AdmissionConfig,
     AdmissionConfigError,
-    Overloaded,
 )
 from extproc.worker.engine_metrics import (
     ENGINES,
@@ -124,28 +113,14 @@ from extproc.worker.engine_metrics import (
     RankStats,
     parse_engine_metrics,
 )
+from extproc.worker.netaddr import advertised_endpoint, join_host_port, join_url
+from extproc.worker.proxy import EngineProxy, PrefillLedger
 from extproc.worker.publisher import EventPublisher, PublisherError
 
 log = logging.getLogger("extproc.worker.agent")
 
 DEFAULT_BLOCK_SIZE = 16
 MAX_METRICS_BYTES = 32 * 1024 * 1024
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +151,7 @@ class AgentSettings:
 
     @property
     def metrics_url(self) -> URL:
-        return _join(self.engine_url, self.metrics_path)
+        return join_url(self.engine_url, self.metrics_path)
 
 
 # ---------------------------------------------------------------------------
@@ -270,292 +245,6 @@ def worker_view(
 
 
 # ---------------------------------------------------------------------------
-# proxy-side prefill accounting
-
-
-@dataclass(slots=True)
-class PrefillTicket:
-    """Prompt tokens of one proxied request, charged to ``rank`` until released."""
-
-    rank: int
-    tokens: int
-    released: bool = False
-
-
-class PrefillLedger:
-    """Prompt tokens of proxied requests that have no first token yet, per rank."""
-
-    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
-        self._pending: list[int] = [0]
-        self._on_change = on_change
-
-    def resize(self, dp_size: int) -> None:
-        """Track at least ``dp_size`` ranks (never shrinks: tickets may be out)."""
-        if dp_size > len(self._pending):
-            self._pending.extend([0] * (dp_size - len(self._pending)))
-
-    def per_rank(self) -> list[int]:
-        return list(self._pending)
-
-    def add(self, tokens: int) -> PrefillTicket:
-        """Charge ``tokens`` to the rank with the fewest pending tokens."""
-        rank = min(range(len(self._pending)), key=self._pending.__getitem__)
-        ticket = PrefillTicket(rank, max(0, tokens))
-        if ticket.tokens:
-            self._pending[rank] += ticket.tokens
-            self._on_change()
-        return ticket
-
-    def release(self, ticket: PrefillTicket) -> None:
-        """The request produced its first token or ended; safe to call twice."""
-        if ticket.released:
-            return
-        ticket.released = True
-        if ticket.tokens:
-            self._pending[ticket.rank] -= ticket.tokens
-            self._on_change()
-
-
-def _carries_text(payload: Any) -> bool:
-    """Whether an OpenAI stream chunk carries generated output."""
-    if not isinstance(payload, dict):
-        return False
-    choices = payload.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            if choice.get("text"):
-                return True
-            delta = choice.get("delta")
-            if isinstance(delta, dict) and any(
-                delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")
-            ):
-                return True
-        return False
-    kind = payload.get("type")  # Responses API: {"type": "response.output_text.delta", ...}
-    return isinstance(kind, str) and kind.endswith(".delta") and bool(payload.get("delta"))
-
-
-class FirstTokenWatcher:
-    """Fed the bytes of an SSE response; says when the first generated text passes."""
-
-    LIMIT = 1024 * 1024
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> bool:
-        """True once an event carrying generated text has been seen in the stream."""
-        self._buffer = (self._buffer + chunk).replace(b"\r\n", b"\n")
-        while (end := self._buffer.find(b"\n\n")) >= 0:
-            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-            data = b"\n".join(
-                line[5:].removeprefix(b" ")
-                for line in event.split(b"\n")
-                if line.startswith(b"data:")
-            )
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                payload = msgspec.json.decode(data)
-            except msgspec.DecodeError:
-                continue
-            if _carries_text(payload):
-                return True
-        return len(self._buffer) > self.LIMIT  # not SSE as we know it: stop counting
-
-
-# ---------------------------------------------------------------------------
-# the reverse proxy
-
-
-def _join(base: URL, path_qs: str) -> URL:
-    """``base`` (which may carry a path prefix) followed by a raw path and query."""
-    return URL(str(base).rstrip("/") + path_qs, encoded=True)
-
-
-def _forward_headers(headers: Mapping[str, str], connection: str | None) -> CIMultiDict[str]:
-    drop = set(_HOP_BY_HOP)
-    if connection:
-        drop.update(token.strip().lower() for token in connection.split(","))
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
-
-
-def _json_error(status: int, message: str) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(message, status), content_type="application/json"
-    )
-
-
-class EngineProxy:
-    """aiohttp reverse proxy in front of the engine, with admission and prefill accounting."""
-
-    def __init__(
-        self,
-        engine_url: URL,
-        admission: Admission,
-        ledger: PrefillLedger,
-        registry: CollectorRegistry,
-        shutdown_timeout: float = 5.0,
-    ) -> None:
-        self.engine_url = engine_url
-        self.admission = admission
-        self.ledger = ledger
-        self.registry = registry
-        self.shutdown_timeout = shutdown_timeout
-        self.port = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port``; the bound port."""
-        self._session = aiohttp.ClientSession(
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
-            connector=aiohttp.TCPConnector(limit=0),
-        )
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,  # a client disconnect cancels the upstream request
-            shutdown_timeout=self.shutdown_timeout,
-        )
-        await runner.setup()
-        self._runner = runner
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
-        self.port = int(runner.addresses[0][1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        if request.method == "GET" and request.path == "/metrics":
-            return await self._metrics(request)
-        if request.method != "POST" or request.path not in INFERENCE_PATHS:
-            return await self._forward(request, body, None)
-        try:
-            async with self.admission.slot():
-                ticket = self.ledger.add(_prompt_tokens(body))
-                try:
-                    return await self._forward(request, body, ticket)
-                finally:
-                    self.ledger.release(ticket)
-        except Overloaded:
-            rejection = self.admission.rejection()
-            return web.Response(
-                status=rejection.status, body=rejection.body, headers=rejection.headers
-            )
-
-    async def _forward(
-        self, request: web.Request, body: bytes, ticket: PrefillTicket | None
-    ) -> web.StreamResponse:
-        assert self._session is not None
-        url = _join(self.engine_url, request.raw_path)
-        headers = _forward_headers(request.headers, request.headers.get("connection"))
-        try:
-            upstream = await self._session.request(
-                request.method,
-                url,
-                headers=headers,
-                data=body or None,
-                allow_redirects=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-            )
-        except (aiohttp.ClientError, OSError) as exc:
-            return _json_error(502, f"Engine at {self.engine_url} unreachable: {exc}")
-        async with upstream:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            response.headers.extend(
-                _forward_headers(upstream.headers, upstream.headers.get("connection"))
-            )
-            length = upstream.headers.get("content-length")
-            if (
-                length is not None
-                and length.isdigit()
-                and "transfer-encoding" not in upstream.headers
-            ):
-                response.content_length = int(length)
-            watcher: FirstTokenWatcher | None = None
-            if ticket is not None:
-                if upstream.content_type == "text/event-stream":
-                    watcher = FirstTokenWatcher()
-                else:
-                    self.ledger.release(ticket)  # headers of a full response: generation done
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    if watcher is not None and ticket is not None and watcher.feed(chunk):
-                        self.ledger.release(ticket)
-                        watcher = None
-                    await response.write(chunk)
-                await response.write_eof()
-            except aiohttp.ClientError as exc:
-                log.warning("engine cut %s %s: %s", request.method, request.path, exc)
-                if request.transport is not None:
-                    request.transport.close()  # the client sees the cut too
-            except BaseException:  # client gone (handler cancelled): the engine aborts too
-                upstream.close()
-                raise
-        return response
-
-    async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        try:
-            async with self._session.get(
-                _join(self.engine_url, request.raw_path),
-                skip_auto_headers=("Accept-Encoding",),
-            ) as upstream:
-                text = await upstream.read()
-                status, content_type = upstream.status, upstream.headers.get("content-type")
-        except (aiohttp.ClientError, OSError) as exc:
-            return _json_error(502, f"Engine at {self.engine_url} unreachable: {exc}")
-        if status == 200:
-            own = generate_latest(self.registry)
-            text = _without_families(text, _family_names(own)) + own
-        headers = {"content-type": content_type} if content_type else {}
-        return web.Response(status=status, body=text, headers=headers)
-
-
-def _family_names(text: bytes) -> frozenset[bytes]:
-    """Metric family names declared by ``# TYPE`` lines."""
-    return frozenset(line.split()[2] for line in text.splitlines() if line.startswith(b"# TYPE "))
-
-
-def _without_families(text: bytes, names: frozenset[bytes]) -> bytes:
-    """The exposition text minus the families in ``names`` (the proxy's own replace them)."""
-    kept = []
-    for line in text.splitlines():
-        if line.startswith((b"# HELP ", b"# TYPE ")):
-            name = line.split(maxsplit=3)[2] if line.count(b" ") >= 2 else b""
-        else:
-            name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        if name.removesuffix(b"_total") not in names and name not in names:
-            kept.append(line)
-    return b"\n".join(kept) + b"\n" if kept else b""
-
-
-def _prompt_tokens(body: bytes) -> int:
-    try:
-        return parse_body(body).prompt_tokens
-    except BadRequest:
-        return 0  # the engine answers the bad request itself
-
-
-# ---------------------------------------------------------------------------
 # the agent
 
 
@@ -600,10 +289,10 @@ class Agent:
             host, port = s.listen
             bound = await self.proxy.start(host, port)
             if not s.endpoint:
-                self.endpoint = _advertised(host, bound)
+                self.endpoint = advertised_endpoint(host, bound)
             log.info(
                 "proxying http://%s -> %s (admission %s)",
-                _join_host_port(host, bound),
+                join_host_port(host, bound),
                 s.engine_url,
                 f"N={s.admission.engine_request_limit} Q={s.admission.queue_limit}"
                 if s.admission.enabled
@@ -807,63 +496,8 @@ class Agent:
             log.warning("%s", message)
 
 
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _advertised(host: str, port: int) -> str:
-    """``host:port`` Envoy can reach; a wildcard bind advertises this host's address."""
-    if host in ("", "0.0.0.0", "::"):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return _join_host_port(host, port)
-
-
 # ---------------------------------------------------------------------------
 # command line
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
-    return value
-
-
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
 
 
 def _engine_url(text: str) -> URL:
@@ -884,30 +518,6 @@ def _metrics_path(text: str) -> str:
     return text
 
 
-def _zmq_endpoint(text: str) -> str:
-    if not text.startswith(("tcp://", "ipc://")):
-        raise argparse.ArgumentTypeError(
-            f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5557, got {text!r}"
-        )
-    probe: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUB)
-    try:
-        probe.setsockopt(zmq.LINGER, 0)
-        probe.connect(text)
-    except zmq.ZMQError as exc:
-        raise argparse.ArgumentTypeError(f"bad ZeroMQ endpoint {text!r}: {exc}") from None
-    finally:
-        probe.close(0)
-    return text
-
-
-def _endpoint(text: str) -> str:
-    try:
-        parse_endpoint(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or int(port_text) > 65535:
@@ -919,23 +529,13 @@ def _listen(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port_text)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only when there is one worth showing."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False, []) or "default" in text:
-            return text
-        return super()._get_help_string(action) or text
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extproc.worker.agent",
         description="Sidecar next to a vLLM or SGLang server: scrapes its Prometheus /metrics "
         "and publishes the worker's config and per-rank load to the extproc; optionally "
         "fronts the engine as a reverse proxy with worker-side admission.",
-        formatter_class=_HelpFormatter,
+        formatter_class=cli.HelpFormatter,
     )
     eng = p.add_argument_group("engine")
     eng.add_argument("--engine", required=True, choices=ENGINES, help="engine kind (required)")
@@ -955,21 +555,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument(
         "--interval",
-        type=_seconds,
+        type=cli.positive_seconds,
         default=0.1,
         metavar="SECONDS",
         help="scrape period, in seconds",
     )
     eng.add_argument(
         "--scrape-timeout",
-        type=_seconds,
+        type=cli.positive_seconds,
         default=1.0,
         metavar="SECONDS",
         help="timeout of one scrape, in seconds",
     )
     eng.add_argument(
         "--engine-down-grace",
-        type=_non_negative_seconds,
+        type=cli.non_negative_seconds,
         metavar="SECONDS",
         default=10.0,
         help="seconds without usable metrics before the agent says bye (the last state is "
@@ -980,25 +580,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fb.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=cli.positive_int,
         metavar="TOKENS",
         help="tokens per KV block (default: the engine's, else 16)",
     )
     fb.add_argument(
         "--kv-total-blocks",
-        type=_non_negative_int,
+        type=cli.non_negative_int,
         metavar="BLOCKS",
         help="KV cache capacity per DP rank, in blocks of --block-size tokens",
     )
     fb.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=cli.positive_int,
         metavar="TOKENS",
         help="engine's per-step token budget, in tokens",
     )
     fb.add_argument(
         "--dp-size",
-        type=_positive_int,
+        type=cli.positive_int,
         metavar="N",
         help="data-parallel ranks behind the endpoint (default: the ranks the metrics show)",
     )
@@ -1009,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--worker-id", required=True, help="stable worker id in events (required)")
     wk.add_argument(
         "--endpoint",
-        type=_endpoint,
+        type=cli.event_endpoint,
         metavar="HOST:PORT",
         help="where Envoy reaches this worker's OpenAI server (required without --listen; "
         "default with --listen: the listen address)",
@@ -1022,30 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--publish",
         action="append",
         required=True,
-        type=_zmq_endpoint,
+        type=cli.connectable_zmq_endpoint,
         metavar="ENDPOINT",
         help="ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 "
         "(repeatable; required)",
     )
-    ev.add_argument(
-        "--heartbeat",
-        type=_seconds,
-        default=2.0,
-        metavar="SECONDS",
-        help="seconds between config/load re-sends",
-    )
-    ev.add_argument(
-        "--debounce-ms",
-        type=float,
-        metavar="MS",
-        default=5.0,
-        help="load changes are coalesced and sent at most this often, in milliseconds",
-    )
-    px = p.add_argument_group(
-        "proxy and worker-side admission",
-        f"Queue size Q comes from {QUEUE_LIMIT_ENV} (default 16, >= 2, read only when N is "
-        "set); the rejection status from DYN_HTTP_OVERLOAD_STATUS_CODE (default 529).",
-    )
+    cli.add_event_timing_flags(ev)
+    px = p.add_argument_group("proxy and worker-side admission", cli.ADMISSION_ENV_HELP)
     px.add_argument(
         "--listen",
         type=_listen,
@@ -1060,17 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     px.add_argument(
         "--shutdown-timeout",
-        type=_non_negative_seconds,
+        type=cli.non_negative_seconds,
         metavar="SECONDS",
         default=5.0,
         help="seconds in-flight proxied requests get to finish on SIGTERM",
     )
-    wk.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level",
-    )
+    cli.add_log_level_flag(wk)
     return p
 
 
@@ -1092,12 +670,10 @@ def parse_args(
         parser.error("--engine-request-limit needs --listen: only the proxy can admit requests")
     elif (os.environ if environ is None else environ).get(ENGINE_LIMIT_ENV, "").strip():
         warning = f"{ENGINE_LIMIT_ENV} is set but has no effect without --listen"
-    if not 0 <= args.debounce_ms < math.inf:
-        parser.error(f"--debounce-ms: expected a number >= 0, got {args.debounce_ms!r}")
     probe = ConfigEvent(
         worker_id=args.worker_id,
         model=args.model,
-        endpoint=args.endpoint or _join_host_port(args.listen[0], args.listen[1] or 1),
+        endpoint=args.endpoint or join_host_port(args.listen[0], args.listen[1] or 1),
     )
     try:
         decode(*encode(probe))
@@ -1132,36 +708,14 @@ def parse_args(
 async def serve(settings: AgentSettings) -> int:
     """Run until SIGTERM/SIGINT, then say ``bye`` and stop; the exit code."""
     agent = Agent(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await agent.start()
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
-        await agent.stop()
-        return 1
-    stopped = loop.create_task(stop.wait())
-    failed = loop.create_task(agent.failed.wait())
-    await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
-    for task in (stopped, failed):
-        task.cancel()
-    log.info("stopping agent %s", settings.worker_id)
-    await agent.stop()
-    return 1 if agent.failed.is_set() else 0
+    return await cli.serve_until_signal(
+        agent, log, f"agent {settings.worker_id}", failed=agent.failed
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings, warning = parse_args(argv)
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if warning:
-        log.warning("%s", warning)
-    sys.exit(asyncio.run(serve(settings)))
+    cli.run(serve(settings), settings.log_level, warning, log)
 
 
 if __name__ == "__main__":

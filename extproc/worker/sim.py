@@ -15,10 +15,7 @@ import base64
 import hashlib
 import ipaddress
 import logging
-import signal
-import socket
 import struct
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -31,12 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.events.schema import ConfigEvent, parse_endpoint
+from extproc.events.schema import ConfigEvent
 from extproc.openai_request import estimate_tokens
-from extproc.overload import error_body
+from extproc.worker import cli
 from extproc.worker.admission import (
     ENGINE_LIMIT_ENV,
-    QUEUE_LIMIT_ENV,
     Admission,
     AdmissionConfig,
     AdmissionConfigError,
@@ -49,6 +45,8 @@ from extproc.worker.engine import (
     RequestStream,
     SimEngine,
 )
+from extproc.worker.httpserver import json_error, listen, rejection_response
+from extproc.worker.netaddr import advertised_endpoint, join_host_port
 from extproc.worker.publisher import EventPublisher, PublisherError
 
 log = logging.getLogger("extproc.worker.sim")
@@ -105,12 +103,6 @@ class Generation:
 
 def _json_response(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
-
-
-def _error_response(status: int, message: str) -> web.Response:
-    return web.Response(
-        body=error_body(message, status), status=status, content_type="application/json"
-    )
 
 
 def _is_int(value: Any) -> bool:
@@ -187,23 +179,13 @@ class SimWorker:
         """Start the engine, listen, then announce ``config`` and initial loads."""
         s = self.settings
         self.engine.start()
-        runner = web.AppRunner(
-            self.app,
-            access_log=None,
-            handler_cancellation=True,  # client disconnect cancels the handler
-            shutdown_timeout=s.shutdown_timeout,
-        )
-        await runner.setup()
-        self._runner = runner
-        site = web.TCPSite(runner, s.host, s.port, reuse_address=True)
-        await site.start()
-        self.port = int(runner.addresses[0][1])
-        self.endpoint = s.advertise or _advertised(s.host, self.port)
+        self._runner, self.port = await listen(self.app, s.host, s.port, s.shutdown_timeout)
+        self.endpoint = s.advertise or advertised_endpoint(s.host, self.port)
         log.info(
             "worker %s serving %s on http://%s (advertised %s, dp_size %d)",
             s.worker_id,
             s.model,
-            _join_host_port(s.host, self.port),
+            join_host_port(s.host, self.port),
             self.endpoint,
             s.dp_size,
         )
@@ -276,24 +258,21 @@ class SimWorker:
         try:
             return await handler(request)
         except HTTPError as exc:
-            return _error_response(exc.status, exc.message)
+            return json_error(exc.status, exc.message)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = _error_response(exc.status, exc.reason)
+            response = json_error(exc.status, exc.reason)
             if "Allow" in exc.headers:
                 response.headers["Allow"] = exc.headers["Allow"]
             return response
         except Overloaded:
-            rejection = self.admission.rejection()
-            return web.Response(
-                status=rejection.status, body=rejection.body, headers=rejection.headers
-            )
+            return rejection_response(self.admission)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
-            return _error_response(500, "Internal error in the simulated worker")
+            return json_error(500, "Internal error in the simulated worker")
 
     async def _read_body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()
@@ -363,7 +342,7 @@ class SimWorker:
                 try:
                     await stream.wait()
                 except EngineStopped:
-                    return _error_response(503, "The worker is shutting down")
+                    return json_error(503, "The worker is shutting down")
                 return self._full_response(gen, stream)
             finally:
                 stream.abort()  # no-op when finished; frees KV and slot otherwise
@@ -467,7 +446,7 @@ class SimWorker:
             try:
                 await stream.wait()
             except EngineStopped:
-                return _error_response(503, "The worker is shutting down")
+                return json_error(503, "The worker is shutting down")
             finally:
                 stream.abort()
         data = [
@@ -599,31 +578,7 @@ def _embedding(item: Any, dim: int, fmt: str) -> list[float] | str:
     return vector
 
 
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _advertised(host: str, port: int) -> str:
-    """``host:port`` Envoy can reach; a wildcard bind advertises this host's address."""
-    if host in ("", "0.0.0.0", "::"):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return _join_host_port(host, port)
-
-
 # command line ----------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -636,56 +591,13 @@ def _port(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _zmq_endpoint(text: str) -> str:
-    if not text.startswith(("tcp://", "ipc://", "inproc://")):
-        raise argparse.ArgumentTypeError(
-            f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5557, got {text!r}"
-        )
-    return text
-
-
-def _advertise(text: str) -> str:
-    try:
-        parse_endpoint(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only when there is one worth showing."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False, []) or "default" in text:
-            return text
-        return super()._get_help_string(action) or text
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = EngineConfig()
     p = argparse.ArgumentParser(
         prog="python -m extproc.worker.sim",
         description="Simulated OpenAI-compatible LLM worker (vLLM-like continuous batching) "
         "that publishes its load to the extproc.",
-        formatter_class=_HelpFormatter,
+        formatter_class=cli.HelpFormatter,
     )
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="listen address")
@@ -697,77 +609,72 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--default-max-tokens",
-        type=_positive_int,
+        type=cli.positive_int,
         default=16,
         help="output tokens when a request sets no max_tokens",
     )
     srv.add_argument(
         "--embedding-dim",
-        type=_positive_int,
+        type=cli.positive_int,
         default=8,
         help="length of the vectors /v1/embeddings returns",
     )
     srv.add_argument(
         "--shutdown-timeout",
-        type=_non_negative_float,
+        type=cli.non_negative_number,
         default=5.0,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
-    srv.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level",
-    )
+    cli.add_log_level_flag(srv)
     eng = p.add_argument_group("engine")
     eng.add_argument(
         "--kv-total-blocks",
-        type=_positive_int,
+        type=cli.positive_int,
         default=d.kv_total_blocks,
         help="KV cache capacity per DP rank, in blocks",
     )
     eng.add_argument(
-        "--block-size", type=_positive_int, default=d.block_size, help="tokens per KV block"
+        "--block-size", type=cli.positive_int, default=d.block_size, help="tokens per KV block"
     )
     eng.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
+        type=cli.positive_int,
         default=d.max_num_seqs,
         help="most sequences running at once per rank",
     )
     eng.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=cli.positive_int,
         default=d.max_num_batched_tokens,
         help="token budget of one step (chunked prefill), in tokens",
     )
     eng.add_argument(
         "--dp-size",
-        type=_positive_int,
+        type=cli.positive_int,
         default=1,
         help="data-parallel ranks (one engine each) behind this endpoint",
     )
     eng.add_argument(
         "--speedup",
-        type=_positive_float,
+        type=cli.positive_number,
         default=d.speedup,
         help="time scale: every modelled duration is divided by this (1 = real pace)",
     )
     eng.add_argument(
         "--step-base-ms",
-        type=_non_negative_float,
+        type=cli.non_negative_number,
         default=d.step_base_s * 1e3,
         help="fixed cost of one engine step, in milliseconds at speedup 1",
     )
     eng.add_argument(
         "--step-prefill-token-us",
-        type=_non_negative_float,
+        type=cli.non_negative_number,
         default=d.step_prefill_token_s * 1e6,
         help="cost per prefill token in a step, in microseconds at speedup 1",
     )
     eng.add_argument(
         "--step-decode-seq-us",
-        type=_non_negative_float,
+        type=cli.non_negative_number,
         default=d.step_decode_seq_s * 1e6,
         help="cost per decoding sequence in a step, in microseconds at speedup 1",
     )
@@ -776,11 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reserve KV for the whole output at admission instead of preempting",
     )
-    adm = p.add_argument_group(
-        "worker-side admission",
-        f"Queue size Q comes from {QUEUE_LIMIT_ENV} (default 16, >= 2, read only when N is "
-        "set); the rejection status from DYN_HTTP_OVERLOAD_STATUS_CODE (default 529).",
-    )
+    adm = p.add_argument_group("worker-side admission", cli.ADMISSION_ENV_HELP)
     adm.add_argument(
         "--engine-request-limit",
         metavar="N",
@@ -790,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--publish",
         action="append",
-        type=_zmq_endpoint,
+        type=cli.zmq_endpoint,
         default=[],
         metavar="ENDPOINT",
         help="ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 "
@@ -798,22 +701,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--advertise",
-        type=_advertise,
+        type=cli.event_endpoint,
         metavar="HOST:PORT",
         help="endpoint announced in config events (default: --host and the bound port)",
     )
-    ev.add_argument(
-        "--heartbeat",
-        type=_positive_float,
-        default=2.0,
-        help="seconds between config/load re-sends",
-    )
-    ev.add_argument(
-        "--debounce-ms",
-        type=_non_negative_float,
-        default=5.0,
-        help="load changes are coalesced and sent at most this often, in milliseconds",
-    )
+    cli.add_event_timing_flags(ev)
     return p
 
 
@@ -869,33 +761,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SimSettings, str | No
 
 async def serve(settings: SimSettings) -> int:
     """Run until SIGTERM/SIGINT, then say ``bye`` and stop; the exit code."""
-    worker = SimWorker(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await worker.start()
-    except (OSError, PublisherError) as exc:
-        log.error("cannot start: %s", exc)
-        await worker.stop()
-        return 1
-    await stop.wait()
-    log.info("stopping worker %s", settings.worker_id)
-    await worker.stop()
-    return 0
+    return await cli.serve_until_signal(
+        SimWorker(settings),
+        log,
+        f"worker {settings.worker_id}",
+        start_errors=(OSError, PublisherError),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings, warning = parse_args(argv)
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if warning:
-        log.warning("%s", warning)
-    sys.exit(asyncio.run(serve(settings)))
+    cli.run(serve(settings), settings.log_level, warning, log)
 
 
 if __name__ == "__main__":

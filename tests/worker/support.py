@@ -1,4 +1,4 @@
-"""Helpers for the worker tests: polling with a deadline, a real SUB socket, a sim process."""
+"""Helpers for the worker tests: deadline polling, a real SUB socket, sim and agent processes."""
 
 from __future__ import annotations
 
@@ -93,22 +93,32 @@ class Subscriber:
         self.ctx.term()
 
 
+SIM_MODULE = "extproc.worker.sim"
+AGENT_MODULE = "extproc.worker.agent"
+
+
+def _child_command(module: str, args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
     """This environment without DYN_* settings, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
     return {**env, "PYTHONPATH": str(REPO), **(extra or {})}
 
 
-class SimProcess:
-    """``python -m extproc.worker.sim`` as a child process, stopped by its PID."""
+class ModuleProcess:
+    """``python -m <module>`` as a child process, stopped by its PID."""
+
+    module: str
+    stdout: int = subprocess.PIPE
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        full_env = _child_env(env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "extproc.worker.sim", *args],
+            _child_command(self.module, args),
             cwd=REPO,
-            env=full_env,
-            stdout=subprocess.PIPE,
+            env=_child_env(env),
+            stdout=self.stdout,
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -125,12 +135,25 @@ class SimProcess:
         return self.proc.returncode, err
 
 
+class SimProcess(ModuleProcess):
+    """``python -m extproc.worker.sim`` as a child process."""
+
+    module = SIM_MODULE
+
+
+class AgentProcess(ModuleProcess):
+    """``python -m extproc.worker.agent`` as a child process; its stdout is discarded."""
+
+    module = AGENT_MODULE
+    stdout = subprocess.DEVNULL
+
+
 def run_sim(
     args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 20.0
 ) -> subprocess.CompletedProcess[str]:
     """Run the sim to completion (for startup errors)."""
     return subprocess.run(
-        [sys.executable, "-m", "extproc.worker.sim", *args],
+        _child_command(SIM_MODULE, args),
         cwd=REPO,
         env=_child_env(env),
         capture_output=True,

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +20,7 @@ from aiohttp import web
 from yarl import URL
 
 from extproc.events.schema import ByeEvent, ConfigEvent, LoadEvent
-from extproc.worker.agent import (
-    Agent,
-    AgentSettings,
-    FirstTokenWatcher,
-    PrefillLedger,
-    RankLoad,
-    parse_args,
-    worker_view,
-)
+from extproc.worker.agent import Agent, AgentSettings, RankLoad, parse_args, worker_view
 from extproc.worker.engine_metrics import (
     Engine,
     EngineSnapshot,
@@ -40,7 +29,7 @@ from extproc.worker.engine_metrics import (
     parse_engine_metrics,
     parse_text,
 )
-from tests.worker.support import REPO, SimProcess, Subscriber, free_port, wait_until
+from tests.worker.support import AgentProcess, SimProcess, Subscriber, free_port, wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm_metrics.txt").read_text()
@@ -222,32 +211,6 @@ def test_text_format_details() -> None:
     assert set(samples) == {"m", "n"}
 
 
-# --- proxy accounting ---------------------------------------------------------------------
-
-
-def test_first_token_is_the_first_event_with_generated_text() -> None:
-    watcher = FirstTokenWatcher()
-    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-    assert not watcher.feed(role)
-    assert not watcher.feed(b'data: {"choices":[{"delta":{"cont')
-    assert watcher.feed(b'ent":"Hi"}}]}\r\n\r\n')
-    completions = FirstTokenWatcher()
-    assert not completions.feed(b": keep-alive\n\ndata: [DONE]\n\n")
-    assert completions.feed(b'data: {"choices":[{"text":" the"}]}\n\n')
-
-
-def test_ledger_charges_the_least_loaded_rank_and_releases_once() -> None:
-    changes: list[list[int]] = []
-    ledger = PrefillLedger(lambda: changes.append(ledger.per_rank()))
-    ledger.resize(2)
-    a, b, c = ledger.add(100), ledger.add(30), ledger.add(50)
-    assert (a.rank, b.rank, c.rank) == (0, 1, 1)
-    ledger.release(a)
-    ledger.release(a)
-    assert ledger.per_rank() == [0, 80]
-    assert changes == [[100, 0], [100, 30], [100, 80], [0, 80]]
-
-
 # --- the agent in process, against a fake engine ------------------------------------------
 
 
@@ -353,32 +316,6 @@ def _sim(port: int) -> SimProcess:
             "--max-num-batched-tokens", "256", "--dp-size", "1", "--speedup", "50",
         ]
     )  # fmt: skip
-
-
-class AgentProcess:
-    """``python -m extproc.worker.agent`` as a child process, stopped by its PID."""
-
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "extproc.worker.agent", *args],
-            cwd=REPO,
-            env={**base, "PYTHONPATH": str(REPO), **(env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def terminate(self, timeout: float = 10.0) -> tuple[int, str]:
-        """SIGTERM, wait, and return (exit code, stderr)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int) -> list[bytes]:
