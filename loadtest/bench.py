@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.stack import (
+    ROOT,
     Envoy,
     Extproc,
     Proc,
@@ -93,20 +94,13 @@ def worker_config(port: int, admin_port: int) -> dict[str, Any]:
     return {"admin": admin, "static_resources": {"listeners": [listener]}}
 
 
-def add_direct_listener(port: int, response_phase: str, observer: bool) -> Any:
+def add_direct_listener(port: int, response_phase: str) -> Any:
     def tweak(cfg: dict[str, Any]) -> None:
         listeners = cfg["static_resources"]["listeners"]
         main = listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
         for f in main["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_proc":
                 f["typed_config"]["processing_mode"]["response_header_mode"] = response_phase
-        if not observer:
-            main["http_filters"] = [
-                f for f in main["http_filters"] if f["name"] != "extproc.observe"
-            ]
-            for vh in main["route_config"]["virtual_hosts"]:
-                for route in vh["routes"]:
-                    route.get("typed_per_filter_config", {}).pop("extproc.observe", None)
         direct = copy.deepcopy(listeners[0])
         direct["name"] = "direct"
         direct["address"]["socket_address"]["port_value"] = port
@@ -186,9 +180,10 @@ def main() -> int:
         "are turned into the frontend reply) or SKIP (lean: one message less per request)",
     )
     parser.add_argument(
-        "--no-observer",
-        action="store_true",
-        help="remove the observability-mode filter (streamed-body token counting)",
+        "--config",
+        default="envoy.yaml",
+        choices=["envoy.yaml", "envoy-track-output.yaml"],
+        help="Envoy config (under envoy/) of the extproc listener",
     )
     args = parser.parse_args()
     if not shutil.which("wrk"):
@@ -235,7 +230,8 @@ def main() -> int:
             tmp,
             ext,
             [wport],
-            tweak=add_direct_listener(direct_port, args.response_phase, not args.no_observer),
+            tweak=add_direct_listener(direct_port, args.response_phase),
+            source=ROOT / "envoy" / args.config,
         )
         procs.append(envoy)
         pub = Publisher(ext.event_endpoint)
@@ -280,8 +276,7 @@ def main() -> int:
         print(
             f"\nwrk -t1, {args.duration:g} s per run, {args.rounds} alternating rounds, "
             "medians; worker = Envoy direct_response; one Envoy, same cluster; "
-            f"ext_proc response_header_mode {args.response_phase}; observability filter "
-            f"{'off' if args.no_observer else 'on'}\n"
+            f"ext_proc response_header_mode {args.response_phase}; envoy/{args.config}\n"
         )
         print("| concurrency | path | p50 ms | p99 ms | req/s |")
         print("|---|---|---|---|---|")

@@ -31,10 +31,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.stack import Envoy, Extproc, Publisher, start_echo_worker
+from tests.support.stack import ROOT, Envoy, Extproc, Publisher, start_echo_worker
 
 EXT_PROC = "envoy.filters.http.ext_proc"
-OBSERVER = "extproc.observe"
 
 
 def _filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -43,21 +42,19 @@ def _filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def design(name: str) -> Any:
-    """``observe`` is envoy/envoy.yaml as shipped; the others remove its observer filter."""
+    """``none`` is envoy/envoy.yaml, ``observe`` envoy/envoy-track-output.yaml, both as
+    shipped; ``blocking`` is envoy.yaml with STREAMED response bodies."""
 
     def tweak(cfg: dict[str, Any]) -> None:
-        if name == "observe":
-            return
-        filters = _filters(cfg)
-        filters[:] = [f for f in filters if f["name"] != OBSERVER]
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        for route in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
-            route.get("typed_per_filter_config", {}).pop(OBSERVER, None)
         if name == "blocking":
-            main = next(f for f in filters if f["name"] == EXT_PROC)
+            main = next(f for f in _filters(cfg) if f["name"] == EXT_PROC)
             main["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
 
     return tweak
+
+
+def source(name: str) -> Path:
+    return ROOT / "envoy" / ("envoy-track-output.yaml" if name == "observe" else "envoy.yaml")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -120,7 +117,7 @@ def main() -> int:
                 tmp,
                 ["--log-level", "WARNING", "--worker-ttl", "3600", "--router-track-output-blocks"],
             )
-            env = Envoy(tmp, ext, [port], tweak=design(name))
+            env = Envoy(tmp, ext, [port], tweak=design(name), source=source(name))
             pub = Publisher(ext.event_endpoint)
             pub.announce(ext, "w", "m", f"127.0.0.1:{port}", kv_total_blocks=100000)
             stacks[name] = (ext, env, pub)

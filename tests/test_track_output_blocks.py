@@ -16,7 +16,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support.stack import PYTHON, Envoy, Extproc, Proc, Publisher, free_port, http, wait_until
+from tests.support.stack import (
+    PYTHON,
+    ROOT,
+    Envoy,
+    Extproc,
+    Proc,
+    Publisher,
+    free_port,
+    http,
+    wait_until,
+)
 
 KV_BLOCKS = 64
 
@@ -93,7 +103,8 @@ async def test_long_outputs_rejected_before_kv_overflow_only_with_the_flag(
     sim, sim_port = _sim(tmp_path, f"sim-{track}")
     args = ["--active-decode-blocks-threshold", "0.8", "--worker-ttl", "120"]
     ext = Extproc(tmp_path, [*args, "--router-track-output-blocks"] if track else args)
-    envoy = Envoy(tmp_path, ext, [sim_port])
+    # Output tokens are counted from streamed bodies: the observer config.
+    envoy = Envoy(tmp_path, ext, [sim_port], source=ROOT / "envoy" / "envoy-track-output.yaml")
     pub = Publisher(ext.event_endpoint)
     try:
         pub.announce(

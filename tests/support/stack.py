@@ -294,6 +294,7 @@ class Envoy:
         extproc: Extproc,
         worker_ports: list[int],
         tweak: Callable[[dict[str, Any]], None] | None = None,
+        source: Path = ROOT / "envoy" / "envoy.yaml",
     ) -> None:
         self.port = free_port()
         self.admin_port = free_port()
@@ -304,6 +305,7 @@ class Envoy:
             extproc=extproc,
             worker_ports=worker_ports,
             tweak=tweak,
+            source=source,
         )
         self.proc = Proc(
             f"envoy-{self.port}",
