@@ -373,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         router,
         "router_track_output_blocks",
-        "count generated tokens into the router's own active-block estimate. Default: off",
+        "count generated tokens into the router's own active-block estimate; needs "
+        "response bodies observed (envoy/envoy-track-output.yaml). Default: off",
         action=argparse.BooleanOptionalAction,
     )
     add(
