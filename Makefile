@@ -37,5 +37,28 @@ bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) loadtest/bench.py $(ARGS)
 
+.PHONY: loadtest overload compose-check
+LOADTEST_STAMP := $(VENV)/.installed-loadtest
+HOST ?= http://127.0.0.1:8000
+
+$(LOADTEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[loadtest]'
+	@touch $@
+
+loadtest: $(LOADTEST_STAMP) ## Locust, 20 users for 30 s, against `make demo` (HOST=...; reports in loadtest/reports/)
+	@$(PY) -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1] + "/v1/models", timeout=3)' '$(HOST)' 2>/dev/null \
+	  || { echo "nothing answers at $(HOST): start the stack first with 'make demo' in another shell"; exit 2; }
+	@mkdir -p loadtest/reports
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 20 -r 10 -t 30s --host '$(HOST)' \
+	  --html loadtest/reports/locust.html --csv loadtest/reports/locust --only-summary $(ARGS)
+	@echo "reports: loadtest/reports/locust.html, loadtest/reports/locust_stats.csv"
+
+overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on (~4 min; docs/overload-*)
+	$(PY) loadtest/overload.py $(ARGS)
+
+compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
+	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"
+	$(PY) -m pytest -q tests/test_compose.py $(PYTEST_ARGS)
+
 clean: ## Remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache run
