@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,10 @@ class Config:
 # --- the stack -----------------------------------------------------------------------
 
 
+def _healthy(port: int) -> bool:
+    return http("GET", f"http://127.0.0.1:{port}/health", timeout=1)[0] == 200
+
+
 class Stack:
     """Envoy -> extproc -> two publishing simulated workers, all children of this process."""
 
@@ -97,16 +102,10 @@ class Stack:
         try:
             for i in (1, 2):
                 port = free_port()
-                self.procs.append(
-                    Proc(f"sim-{i}", self.sim_command(i, port), log_dir),
-                )
+                self.procs.append(Proc(f"sim-{i}", self.sim_command(i, port), log_dir))
                 self.sim_ports.append(port)
             for port in self.sim_ports:
-                wait_until(
-                    lambda p=port: http("GET", f"http://127.0.0.1:{p}/health", timeout=1)[0] == 200,
-                    20,
-                    f"simulated worker on :{port}",
-                )
+                wait_until(partial(_healthy, port), 20, f"simulated worker on :{port}")
             wait_until(lambda: len(self.ext.workers()) == 2, 15, "both workers announced")
             self.envoy = Envoy(log_dir, self.ext, self.sim_ports, source=self.envoy_config)
         except BaseException:
@@ -503,7 +502,10 @@ async def run(cfg: Config, stack: Stack, command: str) -> Results:
             best = max(s["completed_rps"] for s in sweep)
             knee = next(s for s in sweep if s["completed_rps"] >= 0.95 * best)
         capacity = knee["completed_rps"]
-        log(f"capacity {capacity:.2f} req/s at the knee c={int(knee['concurrency'])}")
+        log(
+            f"capacity {capacity:.2f} req/s"
+            + (f" at the knee c={knee['concurrency']:g}" if sweep else "")
+        )
 
         # 3. the cells: open loop at multiples of capacity, thresholds off then on
         cells: list[Cell] = []
@@ -583,6 +585,13 @@ def markdown(res: Results) -> str:
     table = "\n".join(lines)
     sweep = ", ".join(f"c={int(s['concurrency'])}: {s['completed_rps']:.2f}" for s in res.sweep)
     verdict = targets(res)
+    if res.sweep:
+        capacity = (
+            f"Capacity sweep (closed loop, thresholds off, completed req/s): {sweep}. Capacity = "
+            f"**{res.capacity_rps:.2f} req/s** at the knee, concurrency {res.knee_concurrency}."
+        )
+    else:
+        capacity = f"Capacity: **{res.capacity_rps:.2f} req/s**, given with `--capacity`."
     extproc_flags = (
         "with `--router-track-output-blocks` behind `envoy/envoy-track-output.yaml`"
         if cfg.track_output_blocks
@@ -608,8 +617,7 @@ completion of {cfg.prompt_tokens} prompt tokens and `max_tokens` {cfg.max_tokens
 
 Unloaded (one request at a time): TTFT p50 {res.unloaded_ttft_p50_ms:.1f} ms, p99 \
 {res.unloaded_ttft_p99_ms:.1f} ms; end-to-end p99 {res.unloaded_e2e_p99_ms:.0f} ms.
-Capacity sweep (closed loop, thresholds off, completed req/s): {sweep}. Capacity = \
-**{res.capacity_rps:.2f} req/s** at the knee, concurrency {res.knee_concurrency}.
+{capacity}
 
 {table}
 
