@@ -743,7 +743,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     req.add_argument("--max-tokens", type=int, default=128)
     thr = p.add_argument_group("thresholds 'on' ('none' leaves one off)")
     thr.add_argument("--decode-threshold", type=_threshold, default=0.9)
-    thr.add_argument("--prefill-frac-threshold", type=_threshold, default=1.5)
+    thr.add_argument("--prefill-frac-threshold", type=_threshold, default=0.4)
     p.add_argument("--capacity", type=float, help="req/s: skip the sweep and use this")
     thr.add_argument(
         "--router-track-output-blocks",
