@@ -37,7 +37,7 @@ bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) loadtest/bench.py $(ARGS)
 
-.PHONY: loadtest overload compose-check
+.PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 HOST ?= http://127.0.0.1:8000
 
@@ -58,7 +58,10 @@ overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds o
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"
-	$(PY) -m pytest -q tests/test_compose.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/test_compose.py tests/test_compose_rehearsal.py $(PYTEST_ARGS)
+
+compose-rehearsal: $(LOADTEST_STAMP) ## docker-compose.yml's services in network namespaces, no Docker (root; ARGS="--scale worker=3")
+	$(PY) -m tests.support.compose_netns $(ARGS)
 
 clean: ## Remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache run

@@ -193,8 +193,8 @@ def _without_addresses(cfg: dict[str, Any]) -> dict[str, Any]:
     for listener in cfg["static_resources"]["listeners"]:
         listener.pop("address")
     for cluster in cfg["static_resources"]["clusters"]:
-        for key in ("type", "dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
-            cluster.pop(key, None)
+        cluster.pop("type", None)
+        cluster.pop("cluster_type", None)
         cluster.pop("load_assignment")
     return cfg
 
@@ -207,8 +207,9 @@ def _endpoints(cfg: dict[str, Any]) -> dict[str, tuple[str, list[tuple[str, int]
             for group in cluster["load_assignment"]["endpoints"]
             for ep in group["lb_endpoints"]
         ]
+        kind = cluster.get("type") or cluster["cluster_type"]["name"]
         out[cluster["name"]] = (
-            cluster["type"],
+            kind,
             [(a["address"], int(a["port_value"])) for a in eps],
         )
     return out
@@ -232,9 +233,10 @@ def test_compose_envoy_config_matches_the_local_one_but_for_addresses() -> None:
     ext = load_settings(_argv(services["extproc"])[3:])
     sim, _ = parse_args(_argv(services["worker"])[3:])
     eps = _endpoints(compose_cfg)
-    assert eps["extproc"] == ("STRICT_DNS", [("extproc", ext.grpc_port)])
-    assert eps["extproc_admin"] == ("STRICT_DNS", [("extproc", ext.admin_port)])
-    assert eps["workers"] == ("STRICT_DNS", [("worker", sim.port)])
+    dns = "envoy.clusters.dns"
+    assert eps["extproc"] == (dns, [("extproc", ext.grpc_port)])
+    assert eps["extproc_admin"] == (dns, [("extproc", ext.admin_port)])
+    assert eps["workers"] == (dns, [("worker", sim.port)])
     assert sim.advertise is not None and sim.advertise.endswith(f":{sim.port}")
     event_port = ext.event_bind[0].rsplit(":", 1)[1]
     assert sim.publish == (f"tcp://extproc:{event_port}",)

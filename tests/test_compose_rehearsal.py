@@ -1,0 +1,252 @@
+"""``docker-compose.yml`` run for real, without a container engine.
+
+Each container is a process in a network namespace of its own on one bridge, with its own
+hostname and a DNS server that answers service names with every replica's address
+(``tests/support/compose_netns.py``). The services run the commands ``docker-compose
+config`` renders, in dependency order, gated by their own health checks, restarted by their
+restart policies. So this checks what no container-free test can: that the worker command
+announces an address Envoy's DNS cluster has as a member, that scaling adds and removes
+members on both sides, that the health checks pass, that a restarted extproc learns the
+workers again, and that the locust service drives Envoy by its service name.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import subprocess
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.compose_netns import Rehearsal, available
+from tests.support.stack import http, wait_until
+
+WHY_NOT = available()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"compose rehearsal: {WHY_NOT}")
+
+TOKEN = "rehearsal-token"
+MODEL = "sim-model"
+OVERLOAD_BODY = {"message": "Service temporarily overloaded", "type": "Overloaded", "code": 529}
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rehearsal]:
+    rehearsal = Rehearsal(
+        tmp_path_factory.mktemp("compose"),
+        env={"EXTPROC_ADMIN_TOKEN": TOKEN},
+        profiles=("loadtest",),
+    )
+    rehearsal.up(timeout=90)
+    try:
+        yield rehearsal
+    finally:
+        rehearsal.down()
+
+
+def _envoy(compose: Rehearsal) -> str:
+    return f"http://{compose.ip('envoy')}:8000"
+
+
+def _admin(compose: Rehearsal) -> str:
+    return f"http://{compose.ip('extproc')}:9003"
+
+
+def _workers(compose: Rehearsal) -> dict[str, str]:
+    """worker id -> announced endpoint, as the extproc knows them."""
+    status, _, body = http("GET", _admin(compose) + "/debug/workers", timeout=5)
+    assert status == 200, body
+    return {w["worker_id"]: w["endpoint"] for w in json.loads(body)["workers"]}
+
+
+def _expected_workers(compose: Rehearsal) -> dict[str, str]:
+    """What each running worker container should announce: its hostname and address."""
+    return {f"worker-{c.hostname}": f"{c.ip}:8000" for c in compose.of("worker") if not c.stopped}
+
+
+def _chat(base: str, max_tokens: int = 8, timeout: float = 30.0) -> tuple[int, str, bytes]:
+    status, headers, body = http(
+        "POST",
+        base + "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 100}],
+         "max_tokens": max_tokens},
+        timeout=timeout,
+    )  # fmt: skip
+    return status, headers.get("x-worker-id", ""), body
+
+
+Result = tuple[int, str, bytes]  # status, x-worker-id, body
+
+
+def _burst(base: str, count: int, concurrency: int, max_tokens: int) -> list[Result]:
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda _: _chat(base, max_tokens), range(count)))
+
+
+def _envoy_members(compose: Rehearsal) -> set[str]:
+    """Members of Envoy's ``workers`` cluster, from its admin (loopback of its namespace)."""
+    envoy = compose.of("envoy")[0]
+    out = subprocess.run(
+        ["ip", "netns", "exec", envoy.ns, "curl", "-s", "-m", "3",
+         "http://127.0.0.1:9901/clusters?format=json"],
+        capture_output=True, text=True, timeout=10, check=True,
+    ).stdout  # fmt: skip
+    members = set()
+    for cluster in json.loads(out)["cluster_statuses"]:
+        if cluster["name"] == "workers":
+            for host in cluster.get("host_statuses", []):
+                addr = host["address"]["socket_address"]
+                members.add(f"{addr['address']}:{addr['port_value']}")
+    return members
+
+
+def _set_threshold(compose: Rehearsal, **values: Any) -> tuple[int, bytes]:
+    status, _, body = http(
+        "POST",
+        _envoy(compose) + "/busy_threshold",
+        {"model": MODEL, **values},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    return status, body
+
+
+def test_every_service_passes_its_health_check(compose: Rehearsal) -> None:
+    names = collections.Counter(c.service for c in compose.containers)
+    assert names == {"extproc": 1, "worker": 2, "envoy": 1, "locust": 1}  # deploy.replicas: 2
+    for c in compose.containers:
+        compose.wait_healthy(c, timeout=30)
+
+
+def test_workers_announce_their_own_address_and_envoy_has_it_as_a_member(
+    compose: Rehearsal,
+) -> None:
+    expected = _expected_workers(compose)
+    wait_until(lambda: _workers(compose) == expected, 15, f"extproc to know {expected}")
+    wait_until(lambda: _envoy_members(compose) == set(expected.values()), 15, "Envoy members")
+
+
+def test_requests_through_envoy_reach_every_replica(compose: Rehearsal) -> None:
+    results = _burst(_envoy(compose), count=24, concurrency=8, max_tokens=16)
+    assert [r[0] for r in results] == [200] * 24, [r for r in results if r[0] != 200][:3]
+    served = collections.Counter(r[1] for r in results)
+    assert set(served) == set(_expected_workers(compose)), served
+
+
+def test_admin_writes_need_the_token_and_every_busy_replica_means_529(compose: Rehearsal) -> None:
+    status, _, body = http(
+        "POST", _envoy(compose) + "/busy_threshold",
+        {"model": MODEL, "active_decode_blocks_threshold": 0.01},
+    )  # fmt: skip
+    assert status == 401, body
+    status, body = _set_threshold(compose, active_decode_blocks_threshold=0.01)
+    assert status == 200, body
+    try:
+        # 0.01 x 1024 blocks: one 100-token prompt with its output fills a worker.
+        results = _burst(_envoy(compose), count=40, concurrency=20, max_tokens=40)
+        codes = collections.Counter(r[0] for r in results)
+        assert set(codes) == {200, 529}, codes
+        assert codes[529] >= 20, codes
+        for status, _, body in results:
+            if status == 529:
+                assert json.loads(body) == OVERLOAD_BODY
+    finally:
+        status, body = _set_threshold(compose, disable=["active_decode_blocks_threshold"])
+        assert status == 200, body
+    assert _chat(_envoy(compose))[0] == 200
+
+
+def test_scaling_up_adds_a_worker_on_both_sides(compose: Rehearsal) -> None:
+    (added,) = compose.scale_to("worker", 3)
+    compose.wait_healthy(added, timeout=30)
+    expected = _expected_workers(compose)
+    assert len(expected) == 3
+    wait_until(lambda: _workers(compose) == expected, 15, "the extproc to know the new worker")
+    # The workers cluster re-resolves every 2 s.
+    wait_until(lambda: added.ip + ":8000" in _envoy_members(compose), 15, "Envoy to add it")
+    new_id = f"worker-{added.hostname}"
+
+    def served_by_new() -> bool:
+        return any(r[1] == new_id for r in _burst(_envoy(compose), 12, 6, 16))
+
+    wait_until(served_by_new, 20, f"a request served by {new_id}")
+
+
+def test_scaling_down_under_traffic_loses_no_request(compose: Rehearsal) -> None:
+    running = [c for c in compose.of("worker") if not c.stopped]
+    assert len(running) == 3, "runs after the scale-up test"
+    leaving = running[-1]
+    results: list[Result] = []
+    stop_at = time.monotonic() + 6.0  # bounded: a few seconds of traffic around the stop
+
+    def traffic() -> None:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            while time.monotonic() < stop_at and len(results) < 2000:
+                results.extend(pool.map(lambda _: _chat(_envoy(compose), 24), range(6)))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    wait_until(lambda: len(results) >= 12, 10, "traffic to flow")
+    assert compose.scale_to("worker", 2) == []  # stops the last replica (docker stop)
+    assert leaving.stopped
+    assert leaving.popen is not None and leaving.popen.returncode == 0, leaving.log()[-2000:]
+    thread.join(15)
+    bad = [(s, w, b[:200]) for s, w, b in results if s != 200]
+    assert not bad, f"{len(bad)} of {len(results)} failed, e.g. {bad[:3]}"
+    # It said bye: gone from the extproc at once, and from Envoy's DNS answer.
+    assert f"worker-{leaving.hostname}" not in _workers(compose)
+    wait_until(lambda: leaving.ip + ":8000" not in _envoy_members(compose), 15, "Envoy drop")
+
+
+def test_a_killed_extproc_is_restarted_and_learns_the_workers_again(compose: Rehearsal) -> None:
+    extproc = compose.of("extproc")[0]
+    old_pid, restarts = extproc.pid, extproc.restarts
+    compose.kill(extproc)
+    wait_until(lambda: extproc.restarts > restarts and extproc.running(), 15, "a restart")
+    assert extproc.pid != old_pid
+    compose.wait_healthy(extproc, timeout=30)
+    # The workers' publishers reconnect and send their config again to the new subscriber.
+    expected = _expected_workers(compose)
+    wait_until(lambda: _workers(compose) == expected, 15, "the workers to re-announce")
+    wait_until(lambda: _chat(_envoy(compose))[0] == 200, 15, "a request through Envoy")
+
+
+def test_locust_service_drives_envoy_by_its_service_name(compose: Rehearsal) -> None:
+    locust = f"http://{compose.ip('locust')}:8089"
+    form = urllib.parse.urlencode({"user_count": 4, "spawn_rate": 4}).encode()
+    status, _, body = http(
+        "POST", locust + "/swarm", form,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )  # fmt: skip
+    assert status == 200, body
+    try:
+
+        def stats() -> dict[str, Any]:
+            data: dict[str, Any] = json.loads(http("GET", locust + "/stats/requests")[2])
+            return data
+
+        def enough() -> dict[str, Any] | None:
+            data = stats()
+            total = next(s for s in data["stats"] if s["name"] == "Aggregated")
+            return data if total["num_requests"] >= 20 else None
+
+        data = wait_until(enough, 30, "locust to make 20 requests")
+        total = next(s for s in data["stats"] if s["name"] == "Aggregated")
+        assert total["num_failures"] == 0, data.get("errors")
+        # The locustfile's own entries: time to first token of the streaming users.
+        assert any(s["method"] == "TTFT" for s in data["stats"]), data["stats"]
+    finally:
+        http("GET", locust + "/stop")
+
+
+def test_down_stops_every_container_with_exit_0(compose: Rehearsal) -> None:
+    codes = compose.down()
+    assert codes and all(rc == 0 for rc in codes.values()), codes
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert compose.containers[0].ns.split("-")[0] not in namespaces
+    assert not any(Path("/etc/netns", c.ns).exists() for c in compose.containers)
