@@ -123,6 +123,19 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         queue=queue,
         tokenizer=tokenizer,
     )
+    if settings.startup_grace > 0:
+        # A restarted extproc knows no worker until each publisher reconnects and sends its
+        # config again. Until then every decision would be a 503; with the gRPC port closed,
+        # Envoy fails open instead (failure_mode_allow) and /ready says not yet.
+        log.info("listening for worker events for %.1fs before serving ext_proc",
+                 settings.startup_grace)  # fmt: skip
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.startup_grace)
+        if stop.is_set():
+            subscriber.close()
+            await runner.cleanup()
+            return 0
+        log.info("%d worker(s) known after the startup grace", len(pool.workers))
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler.generic_handler(),))
     address = f"{settings.grpc_host}:{settings.grpc_port}"

@@ -116,6 +116,7 @@ SETTING_NAMES: dict[str, tuple[str, str]] = {
     "event_bind": ("--event-bind", "EXTPROC_EVENT_BIND"),
     "event_connect": ("--event-connect", "EXTPROC_EVENT_CONNECT"),
     "worker_ttl": ("--worker-ttl", "EXTPROC_WORKER_TTL"),
+    "startup_grace": ("--startup-grace", "EXTPROC_STARTUP_GRACE"),
     "worker_allow": ("--worker-allow", "EXTPROC_WORKER_ALLOW"),
     "tokenizer": ("--tokenizer", "EXTPROC_TOKENIZER"),
     "log_level": ("--log-level", "EXTPROC_LOG_LEVEL"),
@@ -157,6 +158,7 @@ class Settings(BaseSettings):
     )
     event_connect: list[str] = Field(default_factory=list, validation_alias="EXTPROC_EVENT_CONNECT")
     worker_ttl: float = Field(10.0, validation_alias="EXTPROC_WORKER_TTL")
+    startup_grace: float = Field(1.0, validation_alias="EXTPROC_STARTUP_GRACE")
     worker_allow: list[str] = Field(default_factory=list, validation_alias="EXTPROC_WORKER_ALLOW")
     tokenizer: str | None = Field(None, validation_alias="EXTPROC_TOKENIZER")
     log_level: str = Field("INFO", validation_alias="EXTPROC_LOG_LEVEL")
@@ -246,6 +248,14 @@ class Settings(BaseSettings):
         value = _opt_float(v, 0.0, 86400.0, "a number of seconds > 0")
         if not value:
             raise ValueError("expected a number of seconds > 0")
+        return value
+
+    @field_validator("startup_grace", mode="before")
+    @classmethod
+    def _grace(cls, v: Any) -> float:
+        value = _opt_float(v, 0.0, 60.0, "seconds in [0, 60]")
+        if value is None:
+            raise ValueError("expected seconds in [0, 60]")
         return value
 
     @field_validator("event_bind", "event_connect", "worker_allow", mode="before")
@@ -443,6 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
         events,
         "worker_ttl",
         "seconds: a worker silent this long is removed as if it said bye. Default: 10",
+        metavar="SECONDS",
+    )
+    add(
+        events,
+        "startup_grace",
+        "seconds to listen for worker events before serving ext_proc, so that a restarted "
+        "extproc knows the workers before its first decision (Envoy fails open meanwhile). "
+        "Default: 1",
         metavar="SECONDS",
     )
     add(

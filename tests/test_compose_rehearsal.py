@@ -106,6 +106,14 @@ def _envoy_members(compose: Rehearsal) -> set[str]:
     return members
 
 
+def metric(admin: str, series: str) -> float:
+    """One sample of the extproc's /metrics, by its exact series text; 0 if absent."""
+    for line in http("GET", admin + "/metrics")[2].decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def _set_threshold(compose: Rehearsal, **values: Any) -> tuple[int, bytes]:
     status, _, body = http(
         "POST",
@@ -177,35 +185,61 @@ def test_scaling_up_adds_a_worker_on_both_sides(compose: Rehearsal) -> None:
     wait_until(served_by_new, 20, f"a request served by {new_id}")
 
 
+class Traffic:
+    """Chat requests through Envoy, six at a time, from a thread, until ``stop()`` or a
+    bound (``seconds``, ``limit`` requests), whichever comes first."""
+
+    def __init__(self, base: str, seconds: float = 20.0, limit: int = 3000) -> None:
+        self.results: list[Result] = []
+        self._base, self._limit = base, limit
+        self._until = time.monotonic() + seconds
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+        wait_until(lambda: len(self.results) >= 12, 10, "traffic to flow")
+
+    def _run(self) -> None:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            while (
+                not self._done.is_set()
+                and time.monotonic() < self._until
+                and len(self.results) < self._limit
+            ):
+                self.results.extend(pool.map(lambda _: _chat(self._base, 24), range(6)))
+
+    def stop(self) -> list[Result]:
+        """Let it run for one more round of requests, stop, and return every result."""
+        seen = len(self.results)
+        wait_until(lambda: len(self.results) >= seen + 6, 15, "one more round of requests")
+        self._done.set()
+        self._thread.join(30)
+        return self.results
+
+
+def _failed(results: list[Result]) -> str | None:
+    bad = [(s, w, b[:200]) for s, w, b in results if s != 200]
+    return f"{len(bad)} of {len(results)} failed, e.g. {bad[:3]}" if bad else None
+
+
 def test_scaling_down_under_traffic_loses_no_request(compose: Rehearsal) -> None:
     running = [c for c in compose.of("worker") if not c.stopped]
     assert len(running) == 3, "runs after the scale-up test"
     leaving = running[-1]
-    results: list[Result] = []
-    stop_at = time.monotonic() + 6.0  # bounded: a few seconds of traffic around the stop
-
-    def traffic() -> None:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            while time.monotonic() < stop_at and len(results) < 2000:
-                results.extend(pool.map(lambda _: _chat(_envoy(compose), 24), range(6)))
-
-    thread = threading.Thread(target=traffic)
-    thread.start()
-    wait_until(lambda: len(results) >= 12, 10, "traffic to flow")
+    traffic = Traffic(_envoy(compose))
     assert compose.scale_to("worker", 2) == []  # stops the last replica (docker stop)
     assert leaving.stopped
     assert leaving.popen is not None and leaving.popen.returncode == 0, leaving.log()[-2000:]
-    thread.join(15)
-    bad = [(s, w, b[:200]) for s, w, b in results if s != 200]
-    assert not bad, f"{len(bad)} of {len(results)} failed, e.g. {bad[:3]}"
+    results = traffic.stop()
+    assert not _failed(results), _failed(results)
     # It said bye: gone from the extproc at once, and from Envoy's DNS answer.
     assert f"worker-{leaving.hostname}" not in _workers(compose)
     wait_until(lambda: leaving.ip + ":8000" not in _envoy_members(compose), 15, "Envoy drop")
 
 
-def test_a_killed_extproc_is_restarted_and_learns_the_workers_again(compose: Rehearsal) -> None:
+def test_a_killed_extproc_is_restarted_and_no_request_fails(compose: Rehearsal) -> None:
     extproc = compose.of("extproc")[0]
     old_pid, restarts = extproc.pid, extproc.restarts
+    traffic = Traffic(_envoy(compose))
     compose.kill(extproc)
     wait_until(lambda: extproc.restarts > restarts and extproc.running(), 15, "a restart")
     assert extproc.pid != old_pid
@@ -213,7 +247,14 @@ def test_a_killed_extproc_is_restarted_and_learns_the_workers_again(compose: Reh
     # The workers' publishers reconnect and send their config again to the new subscriber.
     expected = _expected_workers(compose)
     wait_until(lambda: _workers(compose) == expected, 15, "the workers to re-announce")
-    wait_until(lambda: _chat(_envoy(compose))[0] == 200, 15, "a request through Envoy")
+    # While it was gone Envoy failed open (failure_mode_allow: round robin to the workers).
+    results = traffic.stop()
+    assert not _failed(results), _failed(results)
+    routed = wait_until(
+        lambda: metric(_admin(compose), 'extproc_decisions_total{outcome="routed"}'),
+        15, "the new extproc to route a request",
+    )  # fmt: skip
+    assert routed > 0
 
 
 def test_locust_service_drives_envoy_by_its_service_name(compose: Rehearsal) -> None:

@@ -19,6 +19,7 @@ def test_defaults_all_thresholds_off() -> None:
     assert s.router_queue_threshold is None
     assert (s.router_mode, s.router_track_output_blocks) == ("kv", False)
     assert (s.grpc_port, s.admin_port, s.worker_ttl) == (9002, 9003, 10.0)
+    assert s.startup_grace == 1.0
     assert s.event_bind == ["tcp://127.0.0.1:5557"]
     assert s.admin_host == "127.0.0.1"
     assert s.overload_status == 529
@@ -115,6 +116,9 @@ def test_values_parse() -> None:
         ([], {"DYN_ADMISSION_CONTROL": "bogus"}, "DYN_ADMISSION_CONTROL"),
         (["--router-queue-threshold", "-1"], {}, "--router-queue-threshold"),
         (["--worker-ttl", "0"], {}, "--worker-ttl"),
+        (["--startup-grace", "-1"], {}, "--startup-grace"),
+        ([], {"EXTPROC_STARTUP_GRACE": "61"}, "EXTPROC_STARTUP_GRACE"),
+        (["--startup-grace", "soon"], {}, "'soon'"),
         (["--grpc-port", "70000"], {}, "--grpc-port"),
         (["--worker-allow", "not-a-cidr"], {}, "not-a-cidr"),
         (["--event-bind", "127.0.0.1:5557"], {}, "--event-bind"),

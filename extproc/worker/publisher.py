@@ -107,7 +107,9 @@ class EventPublisher:
     extproc event socket. ``config``: the worker's registration; ``heartbeat``
     and ``debounce`` in seconds; ``sndhwm``: messages queued per subscriber
     before dropping; ``reconnect_ivl`` / ``reconnect_ivl_max``: ZeroMQ reconnect
-    back-off in seconds; ``linger``: seconds ``close()`` waits to deliver ``bye``;
+    back-off in seconds (the maximum stays under the extproc's 1 s ``--startup-grace``,
+    so a restarted extproc hears from every worker before it serves); ``linger``:
+    seconds ``close()`` waits to deliver ``bye``;
     ``sockopts``: more ZeroMQ socket options, e.g. ``{zmq.TCP_KEEPALIVE: 1}``.
     """
 
@@ -120,7 +122,7 @@ class EventPublisher:
         debounce: float = 0.005,
         sndhwm: int = 10_000,
         reconnect_ivl: float = 0.1,
-        reconnect_ivl_max: float = 2.0,
+        reconnect_ivl_max: float = 0.5,
         linger: float = 1.0,
         sockopts: Mapping[int, int] | None = None,
     ) -> None:

@@ -126,10 +126,11 @@ class Extproc:
         args: list[str] = (),
         env: dict[str, str] | None = None,
         wait_ready: bool = True,
+        ports: tuple[int, int, int] | None = None,
     ):  # type: ignore[assignment]
-        self.grpc_port = free_port()
-        self.admin_port = free_port()
-        self.event_port = free_port()
+        """``ports``: (gRPC, admin, events), e.g. those of a stopped one to restart it."""
+        self.grpc_port, self.admin_port, self.event_port = ports or (
+            free_port(), free_port(), free_port())  # fmt: skip
         self.event_endpoint = f"tcp://127.0.0.1:{self.event_port}"
         base = {
             "EXTPROC_GRPC_PORT": str(self.grpc_port),
@@ -141,6 +142,10 @@ class Extproc:
         )
         if wait_ready:
             wait_until(self.ready, 15, f"extproc ready\n{self.proc.log()}")
+
+    @property
+    def ports(self) -> tuple[int, int, int]:
+        return self.grpc_port, self.admin_port, self.event_port
 
     @property
     def admin(self) -> str:
