@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 
 import grpc
 from aiohttp import web
@@ -37,6 +38,33 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
+
+
+def _hold_port(host: str, port: int) -> list[socket.socket]:
+    """Bind every address of ``host:port`` without listening: connections are refused, and
+    neither another server nor an outgoing connection's ephemeral port can take it."""
+    held: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            # As gRPC does: a previous process's TIME_WAIT connections do not block the port,
+            # a live listener does.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return held
 
 
 def build_pool(settings: Settings) -> WorkerPool:
@@ -123,14 +151,28 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         queue=queue,
         tokenizer=tokenizer,
     )
+    address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:
         # A restarted extproc knows no worker until each publisher reconnects and sends its
-        # config again. Until then every decision would be a 503; with the gRPC port closed,
-        # Envoy fails open instead (failure_mode_allow) and /ready says not yet.
+        # config again. Until then every decision would be a 503; with the gRPC port
+        # refusing connections, Envoy fails open instead (failure_mode_allow) and /ready
+        # says not yet. The port is held (bound, not listening) so that nothing else takes
+        # it meanwhile, and a port in use is an error now rather than after the grace.
+        try:
+            held = _hold_port(settings.grpc_host, settings.grpc_port)
+        except OSError as exc:
+            log.error("cannot listen for ext_proc gRPC on %s: %s", address, exc)
+            subscriber.close()
+            await runner.cleanup()
+            return 1
         log.info("listening for worker events for %.1fs before serving ext_proc",
                  settings.startup_grace)  # fmt: skip
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), settings.startup_grace)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.startup_grace)
+        finally:
+            for sock in held:
+                sock.close()
         if stop.is_set():
             subscriber.close()
             await runner.cleanup()
@@ -138,7 +180,6 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         log.info("%d worker(s) known after the startup grace", len(pool.workers))
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler.generic_handler(),))
-    address = f"{settings.grpc_host}:{settings.grpc_port}"
     try:
         server.add_insecure_port(address)
     except RuntimeError as exc:

@@ -10,6 +10,7 @@ compose rehearsal checks that through Envoy (tests/test_compose_rehearsal.py).
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,3 +90,17 @@ def test_startup_grace_0_serves_at_once(log_dir: Path) -> None:
         assert not _refused(extproc.grpc_port)
     finally:
         extproc.stop()
+
+
+def test_a_grpc_port_in_use_is_an_error_at_once(log_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [PYTHON, "-m", "extproc", "--grpc-port", str(port), "--admin-port", str(free_port()),
+             "--event-bind", f"tcp://127.0.0.1:{free_port()}", "--startup-grace", "30"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen for ext_proc gRPC on 127.0.0.1:{port}" in proc.stderr
