@@ -191,6 +191,7 @@ class Traffic:
 
     def __init__(self, base: str, seconds: float = 20.0, limit: int = 3000) -> None:
         self.results: list[Result] = []
+        self.started: list[float] = []  # when each request of ``results`` was sent
         self._base, self._limit = base, limit
         self._until = time.monotonic() + seconds
         self._done = threading.Event()
@@ -205,7 +206,12 @@ class Traffic:
                 and time.monotonic() < self._until
                 and len(self.results) < self._limit
             ):
-                self.results.extend(pool.map(lambda _: _chat(self._base, 24), range(6)))
+                for sent, result in pool.map(self._timed, range(6)):
+                    self.started.append(sent)
+                    self.results.append(result)
+
+    def _timed(self, _: int) -> tuple[float, Result]:
+        return time.monotonic(), _chat(self._base, 24)
 
     def stop(self) -> list[Result]:
         """Let it run for one more round of requests, stop, and return every result."""
@@ -234,6 +240,27 @@ def test_scaling_down_under_traffic_loses_no_request(compose: Rehearsal) -> None
     # It said bye: gone from the extproc at once, and from Envoy's DNS answer.
     assert f"worker-{leaving.hostname}" not in _workers(compose)
     wait_until(lambda: leaving.ip + ":8000" not in _envoy_members(compose), 15, "Envoy drop")
+
+
+def test_a_crashed_worker_fails_only_what_it_was_serving(compose: Rehearsal) -> None:
+    crashing = next(c for c in compose.of("worker") if not c.stopped)
+    traffic = Traffic(_envoy(compose))
+    restarts = crashing.restarts
+    compose.kill(crashing)  # SIGKILL: no bye, its port refuses until it is back
+    killed_at = time.monotonic()
+    wait_until(lambda: crashing.restarts > restarts, 15, "a restart")
+    compose.wait_healthy(crashing, timeout=30)
+    results = traffic.stop()
+    # Requests sent after the crash were retried on the next listed worker (connect-failure).
+    after = [r for sent, r in zip(traffic.started, results, strict=True) if sent > killed_at]
+    assert len(after) >= 12, len(after)
+    assert not _failed(after), _failed(after)
+    # Requests it was serving at the crash may fail; no more than were in flight.
+    timed = list(zip(traffic.started, results, strict=True))
+    assert sum(r[0] != 200 for sent, r in timed if sent <= killed_at) <= 6
+    # Same hostname after the restart: the same worker id, announced again.
+    expected = _expected_workers(compose)
+    wait_until(lambda: _workers(compose) == expected, 15, "the worker to re-announce")
 
 
 def test_a_killed_extproc_is_restarted_and_no_request_fails(compose: Rehearsal) -> None:
