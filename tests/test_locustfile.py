@@ -1,6 +1,6 @@
 """``loadtest/locustfile.py`` against a real stack: Envoy -> extproc -> two simulated workers.
 
-Locust runs headless for a few seconds, as a child process (it monkey-patches the
+Locust runs headless for eight seconds, as a child process (it monkey-patches the
 standard library with gevent, so it never runs inside pytest's process), and its CSV
 report must show the rejected, TTFT and ITL rows next to the requests, with no failures.
 """
@@ -21,6 +21,9 @@ from tests.support.stack import PYTHON, ROOT, Envoy, Extproc, Proc, free_port, h
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 MODEL = "locust-model"
 USERS = 12
+# Long enough that every task gets both 200s and 529s on a slow machine: locust writes its
+# CSV once a second, so the last second of a run may be missing from it.
+RUN_TIME = "8s"
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("locust") is None,
@@ -68,7 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Envoy]:
 def _run_locust(host: str, prefix: Path, *extra: str) -> subprocess.Popen[str]:
     args = [
         PYTHON, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "-u", str(USERS), "-r", str(USERS), "-t", "5s", "--stop-timeout", "0",
+        "-u", str(USERS), "-r", str(USERS), "-t", RUN_TIME, "--stop-timeout", "0",
         "--host", host, "--model", MODEL, "--csv", str(prefix),
         "--only-summary", "--loglevel", "WARNING", *extra,
     ]  # fmt: skip
