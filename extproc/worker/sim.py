@@ -52,6 +52,10 @@ from extproc.worker.publisher import EventPublisher, PublisherError
 log = logging.getLogger("extproc.worker.sim")
 
 WORKER_ID_HEADER = "x-worker-id"
+# After ``bye``, keep serving this long: a request the router picked this worker for just
+# before the bye may still be on its way (over a kept-alive connection, where a close
+# would reset it rather than refuse it).
+DRAIN_AFTER_BYE = 0.25
 DP_RANK_HEADER = "x-worker-dp-rank"
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -203,6 +207,7 @@ class SimWorker:
         """Say ``bye``, stop serving (in-flight requests get the shutdown timeout), stop."""
         if self.publisher is not None:
             await self.publisher.close()
+            await asyncio.sleep(DRAIN_AFTER_BYE)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
