@@ -1,4 +1,4 @@
-"""The ext_proc gRPC handler: one stream per HTTP request, thin over the decision core.
+"""The ext_proc handler: one session per stream (HTTP request), thin over the decision core.
 
 Flow for an inference request (POST /v1/chat/completions, /v1/completions,
 /v1/embeddings, /v1/responses): request headers (continue) -> buffered request
@@ -6,6 +6,8 @@ body (parse, decide: route or local reply) -> response headers (turn a
 worker-side rejection into the overload reply). The router's estimate for the
 request is released when the stream ends, whatever ended it.
 
+Sessions take and return serialized messages, so the same code runs behind the
+builtin HTTP/2 server (``extproc.h2server``) and behind grpcio's (``process``).
 Replies that do not depend on the request are serialized once; the routing
 reply is serialized once per worker endpoint.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -25,6 +27,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.datastore import Rank, Ticket, Worker, WorkerPool
+from extproc.h2server import Later, Session
 from extproc.metrics import Metrics
 from extproc.openai_request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 from extproc.output_tokens import sse_tokens, usage_tokens
@@ -38,6 +41,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH = f"/{SERVICE_NAME}/Process"
 # Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
 MAX_FALLBACKS = 2
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
@@ -219,57 +223,71 @@ class ExtProcHandler:
         # Set once an observability-mode stream arrives: output is counted from bodies.
         self._observed = False
 
+    def open_session(self, metadata: Mapping[str, str]) -> Session:
+        """A session for one ext_proc stream, from its gRPC metadata."""
+        if metadata.get(ROLE_METADATA) == "observe":
+            self._observed = True
+            return _ObserverSession(self)
+        return _RequestSession(self)
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The same sessions behind grpcio's asyncio server (``--grpc-server grpcio``)."""
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.process,
-                    request_deserializer=ep.ProcessingRequest.FromString,
-                    response_serializer=lambda b: b,
+                    request_deserializer=None,
+                    response_serializer=None,
                 )
             },
         )
 
     async def process(
-        self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        for key, value in context.invocation_metadata() or ():
-            if key == ROLE_METADATA and value == "observe":
-                await self._observe(requests)
-                return
-        st = _Stream()
+        session = self.open_session(dict(context.invocation_metadata() or ()))
         try:
-            async for req in requests:
-                kind = req.WhichOneof("request")
-                try:
-                    if kind == "request_body":
-                        reply = self._on_request_body(st, req.request_body)
-                        if reply is _QUEUE:
-                            # Wait in the router: first tell Envoy to wait longer.
-                            yield self._extend_timeout
-                            reply = await self._wait_in_queue(st)
-                    elif kind == "request_headers":
-                        reply = self._on_request_headers(st, req.request_headers)
-                    elif kind == "response_headers":
-                        reply = self._on_response_headers(st, req.response_headers)
-                    elif kind == "response_body":
-                        reply = self._on_response_body(st, req.response_body)
-                    else:
-                        reply = _CONTINUES.get(kind or "", _CONTINUE_REQUEST_HEADERS)
-                except Exception:
-                    log.exception("error handling ext_proc %s message", kind)
-                    reply = (
-                        _INTERNAL_ERROR
-                        if kind and kind.startswith("request")
-                        else (_CONTINUES.get(kind or "", _CONTINUE_RESPONSE_HEADERS))
-                    )
+            async for message in requests:
+                reply = session.receive(message)
+                if reply is None:
+                    continue
+                if isinstance(reply, Later):
+                    yield reply.first
+                    reply = await reply.rest
                 yield reply
         finally:
-            if st.ticket is not None:
-                self.pool.release(st.ticket)
-            if st.request_id is not None:
-                self._live.pop(st.request_id, None)
+            session.close()
+
+    def _on_message(self, st: _Stream, message: bytes) -> bytes | Later:
+        """One message of a routing stream: its reply, or Later when it waits in the queue."""
+        req = ep.ProcessingRequest.FromString(message)
+        kind = req.WhichOneof("request")
+        try:
+            if kind == "request_body":
+                reply = self._on_request_body(st, req.request_body)
+                if reply is _QUEUE:
+                    # Wait in the router: first tell Envoy to wait longer.
+                    return Later(self._extend_timeout, self._wait_in_queue(st))
+                return reply
+            if kind == "request_headers":
+                return self._on_request_headers(st, req.request_headers)
+            if kind == "response_headers":
+                return self._on_response_headers(st, req.response_headers)
+            if kind == "response_body":
+                return self._on_response_body(st, req.response_body)
+            return _CONTINUES.get(kind or "", _CONTINUE_REQUEST_HEADERS)
+        except Exception:
+            log.exception("error handling ext_proc %s message", kind)
+            if kind and kind.startswith("request"):
+                return _INTERNAL_ERROR
+            return _CONTINUES.get(kind or "", _CONTINUE_RESPONSE_HEADERS)
+
+    def _on_stream_end(self, st: _Stream) -> None:
+        if st.ticket is not None:
+            self.pool.release(st.ticket)
+        if st.request_id is not None:
+            self._live.pop(st.request_id, None)
 
     # ----- request phase ---------------------------------------------------------------
 
@@ -431,23 +449,56 @@ class ExtProcHandler:
         if tokens > 0:
             self.pool.generated(ticket, tokens)
 
-    async def _observe(self, requests: AsyncIterator[ep.ProcessingRequest]) -> None:
-        """A stream of the observability-mode filter: count output, reply nothing.
+    def _on_observed(self, obs: _ObserverSession, message: bytes) -> None:
+        """A message of the observability-mode filter: count output, reply nothing.
 
-        It is paired with the request's routing stream by ``x-request-id``.
+        Its stream is paired with the request's routing stream by ``x-request-id``.
         """
-        st: _Stream | None = None
-        self._observed = True
-        async for req in requests:
+        try:
+            req = ep.ProcessingRequest.FromString(message)
             kind = req.WhichOneof("request")
-            try:
-                if kind == "response_body":
-                    if st is not None:
-                        self._count_output(st, req.response_body.body)
-                elif kind == "request_headers":
-                    for h in req.request_headers.headers.headers:
-                        if h.key == REQUEST_ID_HEADER:
-                            st = self._live.get(_header_value(h))
-                            break
-            except Exception:  # an observer must never break the stream
-                log.exception("error counting output tokens; ignored")
+            if kind == "response_body":
+                if obs.stream is not None:
+                    self._count_output(obs.stream, req.response_body.body)
+            elif kind == "request_headers":
+                for h in req.request_headers.headers.headers:
+                    if h.key == REQUEST_ID_HEADER:
+                        obs.stream = self._live.get(_header_value(h))
+                        break
+        except Exception:  # an observer must never break the stream
+            log.exception("error counting output tokens; ignored")
+
+
+class _RequestSession:
+    """The routing stream of one HTTP request."""
+
+    __slots__ = ("closed", "handler", "st")
+
+    def __init__(self, handler: ExtProcHandler) -> None:
+        self.handler = handler
+        self.st = _Stream()
+        self.closed = False
+
+    def receive(self, message: bytes) -> bytes | Later:
+        return self.handler._on_message(self.st, message)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.handler._on_stream_end(self.st)
+
+
+class _ObserverSession:
+    """A stream of the observability-mode filter (it never gets a reply)."""
+
+    __slots__ = ("handler", "stream")
+
+    def __init__(self, handler: ExtProcHandler) -> None:
+        self.handler = handler
+        self.stream: _Stream | None = None
+
+    def receive(self, message: bytes) -> None:
+        self.handler._on_observed(self, message)
+
+    def close(self) -> None:
+        self.stream = None

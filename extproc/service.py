@@ -17,7 +17,8 @@ from extproc.allowlist import WorkerAllowList
 from extproc.busy import BusyThresholds
 from extproc.datastore import WorkerPool
 from extproc.events.subscriber import EventBindError, EventSubscriber
-from extproc.handler import ExtProcHandler
+from extproc.h2server import GrpcServer
+from extproc.handler import PROCESS_PATH, ExtProcHandler
 from extproc.metrics import Metrics
 from extproc.openai_request import PromptTokenizer
 from extproc.router_queue import RouterQueue
@@ -38,6 +39,31 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
+
+
+class _GrpcioServer:
+    """grpcio's asyncio server behind the same start/stop shape as the builtin one."""
+
+    def __init__(self, handler: ExtProcHandler) -> None:
+        self.server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        self.server.add_generic_rpc_handlers((handler.generic_handler(),))
+
+    async def start(self, host: str, port: int) -> None:
+        self.server.add_insecure_port(f"{host}:{port}")
+        await self.server.start()
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace=grace)
+
+
+async def _start_grpc(settings: Settings, handler: ExtProcHandler) -> GrpcServer | _GrpcioServer:
+    server: GrpcServer | _GrpcioServer
+    if settings.grpc_server == "grpcio":
+        server = _GrpcioServer(handler)
+    else:
+        server = GrpcServer(PROCESS_PATH, handler.open_session)
+    await server.start(settings.grpc_host, settings.grpc_port)
+    return server
 
 
 def _hold_port(host: str, port: int) -> list[socket.socket]:
@@ -178,22 +204,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             await runner.cleanup()
             return 0
         log.info("%d worker(s) known after the startup grace", len(pool.workers))
-    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((handler.generic_handler(),))
     try:
-        server.add_insecure_port(address)
-    except RuntimeError as exc:
+        server = await _start_grpc(settings, handler)
+    except (OSError, RuntimeError) as exc:
         log.error("cannot listen for ext_proc gRPC on %s: %s", address, exc)
         subscriber.close()
         await runner.cleanup()
         return 1
-    await server.start()
     readiness.grpc_serving = True
     sweeper = asyncio.create_task(_sweep(pool, min(0.5, settings.worker_ttl / 10)))
     log.info(
-        "serving ext_proc on %s, admin on http://%s:%s, events on %s; router mode %s; "
+        "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
         "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s",
         address,
+        settings.grpc_server,
         settings.admin_host,
         settings.admin_port,
         ", ".join(subscriber.endpoints + settings.event_connect),

@@ -9,6 +9,9 @@ import pytest
 
 from tests.support.stack import Envoy, Extproc, Proc, Publisher, start_echo_worker
 
+# The ext_proc servers a module's stack runs on: the builtin one (default) and grpcio's.
+GRPC_SERVERS = ["builtin", "grpcio"]
+
 
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

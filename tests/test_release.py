@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import GRPC_SERVERS, Stack
 from tests.support.stack import wait_until
 
 
-@pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
-    return make_stack(["--worker-ttl", "120"])
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def stack(make_stack: Any, request: pytest.FixtureRequest) -> Stack:
+    return make_stack(["--grpc-server", request.param, "--worker-ttl", "120"])
 
 
 def _request(body: bytes, headers: dict[str, str], path: str = "/v1/completions") -> bytes:

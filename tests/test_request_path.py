@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import GRPC_SERVERS, Stack
 from tests.support.stack import get_json, http, metric_value, wait_until
 
 OVERLOADED_529 = b'{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
@@ -20,10 +20,12 @@ def chat(model: str, text: str = "hello") -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}]}
 
 
-@pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def stack(make_stack: Any, request: pytest.FixtureRequest) -> Stack:
     return make_stack(
         [
+            "--grpc-server",
+            request.param,
             "--active-decode-blocks-threshold",
             "0.5",
             "--active-prefill-tokens-threshold",
@@ -65,6 +67,13 @@ def upstream_requests(stack: Stack) -> int:
     )
     assert status == 200
     return int(body.decode().split(":")[1])
+
+
+def test_stack_serves_ext_proc_on_the_named_server(
+    stack: Stack, request: pytest.FixtureRequest
+) -> None:
+    server = request.node.callspec.params["stack"]
+    assert f"({server} server)" in stack.ext.proc.log()
 
 
 def test_free_worker_serves_and_busy_worker_is_skipped(stack: Stack) -> None:

@@ -9,17 +9,26 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import GRPC_SERVERS, Stack
 from tests.support.stack import http, metric_value, wait_until
 
 URL = "/v1/completions"
 PROMPT_101 = "x" * 404  # 101 prompt tokens: one request fills a worker's queue limit of 100
 
 
-@pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def stack(make_stack: Any, request: pytest.FixtureRequest) -> Stack:
     s = make_stack(
-        ["--router-queue-threshold", "1.0", "--router-queue-timeout", "1.5", "--worker-ttl", "120"]
+        [
+            "--grpc-server",
+            request.param,
+            "--router-queue-threshold",
+            "1.0",
+            "--router-queue-timeout",
+            "1.5",
+            "--worker-ttl",
+            "120",
+        ]
     )
     s.pub.announce(s.ext, "q-1", "m", s.endpoint("a"), max_num_batched_tokens=100)
     return s

@@ -20,6 +20,8 @@ def test_defaults_all_thresholds_off() -> None:
     assert (s.router_mode, s.router_track_output_blocks) == ("kv", False)
     assert (s.grpc_port, s.admin_port, s.worker_ttl) == (9002, 9003, 10.0)
     assert s.startup_grace == 1.0
+    assert s.grpc_server == "builtin"
+    assert load_settings([], {"EXTPROC_GRPC_SERVER": " GRPCIO "}).grpc_server == "grpcio"
     assert s.event_bind == ["tcp://127.0.0.1:5557"]
     assert s.admin_host == "127.0.0.1"
     assert s.overload_status == 529
@@ -120,6 +122,8 @@ def test_values_parse() -> None:
         ([], {"EXTPROC_STARTUP_GRACE": "61"}, "EXTPROC_STARTUP_GRACE"),
         (["--startup-grace", "soon"], {}, "'soon'"),
         (["--grpc-port", "70000"], {}, "--grpc-port"),
+        (["--grpc-server", "h2o"], {}, "--grpc-server"),
+        ([], {"EXTPROC_GRPC_SERVER": "nghttp2"}, "'nghttp2'"),
         (["--worker-allow", "not-a-cidr"], {}, "not-a-cidr"),
         (["--event-bind", "127.0.0.1:5557"], {}, "--event-bind"),
         ([], {"DYN_ROUTER_TRACK_OUTPUT_BLOCKS": "maybe"}, "DYN_ROUTER_TRACK_OUTPUT_BLOCKS"),
