@@ -6,8 +6,11 @@ answering every request with a fixed chat completion (direct_response), so the w
 costs the same on both paths and is never the bottleneck. Load comes from ``wrk``
 (keep-alive HTTP/1.1, short non-streaming POSTs). Runs alternate direct / extproc for
 several rounds; the report gives medians across rounds and the difference.
+``--grpc-server builtin grpcio`` measures both gRPC servers in the same run (one
+extproc and one Envoy each, all runs alternating).
 
     python loadtest/bench.py [--duration 5] [--rounds 3] [--response-phase SEND|SKIP]
+                             [--grpc-server builtin grpcio]
 
 Needs ``wrk`` on PATH (Debian: apt-get install wrk).
 """
@@ -167,6 +170,10 @@ def run_wrk(
     }
 
 
+def _label(kind: str, servers: list[str]) -> str:
+    return "extproc" if len(servers) == 1 else f"extproc ({kind})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
@@ -184,6 +191,13 @@ def main() -> int:
         default="envoy.yaml",
         choices=["envoy.yaml", "envoy-track-output.yaml"],
         help="Envoy config (under envoy/) of the extproc listener",
+    )
+    parser.add_argument(
+        "--grpc-server",
+        nargs="+",
+        choices=["builtin", "grpcio"],
+        default=["builtin"],
+        help="the extproc's gRPC server(s); several are measured side by side in one run",
     )
     args = parser.parse_args()
     if not shutil.which("wrk"):
@@ -213,34 +227,47 @@ def main() -> int:
         procs.append(worker)
         wait_until(lambda: http("GET", f"http://127.0.0.1:{wport}/")[0] == 200, 20, "worker")
 
-        ext = Extproc(
-            tmp,
-            [
-                "--active-prefill-tokens-threshold",
-                "1000",
-                "--log-level",
-                "WARNING",
-                "--worker-ttl",
-                "86400",
-            ],
-        )
-        procs.append(ext)
-        direct_port = free_port()
-        envoy = Envoy(
-            tmp,
-            ext,
-            [wport],
-            tweak=add_direct_listener(direct_port, args.response_phase),
-            source=ROOT / "envoy" / args.config,
-        )
-        procs.append(envoy)
-        pub = Publisher(ext.event_endpoint)
-        pub.announce(ext, "bench-1", "bench", f"127.0.0.1:{wport}", kv_total_blocks=1000)
-        pub.announce(ext, "busy-1", "busy", f"127.0.0.1:{wport}", kv_total_blocks=1000)
-        pub.load("busy-1", active_prefill_tokens=5000)
-        wait_until(lambda: ext.workers()["busy-1"]["state"] == "busy", 5, "busy worker")
-        # Keep the busy worker alive past the TTL for long runs.
-        urls = {"direct": f"http://127.0.0.1:{direct_port}", "extproc": envoy.url}
+        servers = args.grpc_server
+        exts: dict[str, Extproc] = {}
+        urls = {}
+        pubs = []
+        for kind in servers:
+            ext = Extproc(
+                tmp,
+                [
+                    "--active-prefill-tokens-threshold",
+                    "1000",
+                    "--log-level",
+                    "WARNING",
+                    "--worker-ttl",
+                    "86400",
+                    "--grpc-server",
+                    kind,
+                ],
+            )
+            procs.append(ext)
+            exts[kind] = ext
+            direct_port = free_port()
+            envoy = Envoy(
+                tmp,
+                ext,
+                [wport],
+                tweak=add_direct_listener(direct_port, args.response_phase),
+                source=ROOT / "envoy" / args.config,
+            )
+            procs.append(envoy)
+            pub = Publisher(ext.event_endpoint)
+            pub.announce(ext, "bench-1", "bench", f"127.0.0.1:{wport}", kv_total_blocks=1000)
+            pub.announce(ext, "busy-1", "busy", f"127.0.0.1:{wport}", kv_total_blocks=1000)
+            pub.load("busy-1", active_prefill_tokens=5000)
+            wait_until(lambda ext=ext: ext.workers()["busy-1"]["state"] == "busy", 5, "busy worker")
+            pubs.append(pub)
+            urls.setdefault("direct", f"http://127.0.0.1:{direct_port}")
+            urls[_label(kind, servers)] = envoy.url
+
+        def keep_busy() -> None:  # the busy worker stays busy past the TTL for long runs
+            for pub in pubs:
+                pub.load("busy-1", active_prefill_tokens=5000)
 
         for url in urls.values():  # warm up connections and caches
             run_wrk(url, BODY, 4, 1, tmp)
@@ -249,51 +276,59 @@ def main() -> int:
         for conns in args.concurrency:
             for _ in range(args.rounds):
                 for name, url in urls.items():
-                    pub.load("busy-1", active_prefill_tokens=5000)
+                    keep_busy()
                     r = run_wrk(url, BODY, conns, args.duration, tmp)
                     assert r["non2xx"] == 0, f"{name} c={conns}: {r['non2xx']} non-2xx replies"
                     results.setdefault((name, conns), []).append(r)
-        rejections: list[dict[str, float]] = []
+        rejections: dict[str, list[dict[str, float]]] = {}
         for _ in range(args.rounds):
-            pub.load("busy-1", active_prefill_tokens=5000)
-            r = run_wrk(envoy.url, {**BODY, "model": "busy"}, 32, args.duration, tmp)
-            assert r["non2xx"] == r["total"], "expected only 529s"
-            rejections.append(r)
-        decisions = ext.metrics()
+            for name, url in urls.items():
+                if name == "direct":
+                    continue
+                keep_busy()
+                r = run_wrk(url, {**BODY, "model": "busy"}, 32, args.duration, tmp)
+                assert r["non2xx"] == r["total"], "expected only 529s"
+                rejections.setdefault(name, []).append(r)
 
-        def med(name: str, conns: int, key: str) -> float:
-            return statistics.median(r[key] for r in results[(name, conns)])
-
-        rows = []
-        for conns in args.concurrency:
-            d = {k: med("direct", conns, k) for k in ("p50", "p99", "rps")}
-            e = {k: med("extproc", conns, k) for k in ("p50", "p99", "rps")}
-            rows.append((conns, d, e))
-        rej = statistics.median(r["rps"] for r in rejections)
-        rej_p50 = statistics.median(r["p50"] for r in rejections)
-        rej_p99 = statistics.median(r["p99"] for r in rejections)
+        def med(rs: list[dict[str, float]], key: str) -> float:
+            return statistics.median(r[key] for r in rs)
 
         print(
             f"\nwrk -t1, {args.duration:g} s per run, {args.rounds} alternating rounds, "
-            "medians; worker = Envoy direct_response; one Envoy, same cluster; "
+            "medians; worker = Envoy direct_response; one Envoy per extproc, same cluster; "
             f"ext_proc response_header_mode {args.response_phase}; envoy/{args.config}\n"
         )
         print("| concurrency | path | p50 ms | p99 ms | req/s |")
         print("|---|---|---|---|---|")
-        for conns, d, e in rows:
+        for conns in args.concurrency:
+            d = {k: med(results[("direct", conns)], k) for k in ("p50", "p99", "rps")}
             print(f"| {conns} | direct | {d['p50']:.3f} | {d['p99']:.3f} | {d['rps']:.0f} |")
-            print(f"| {conns} | extproc | {e['p50']:.3f} | {e['p99']:.3f} | {e['rps']:.0f} |")
+            for name in urls:
+                if name == "direct":
+                    continue
+                e = {k: med(results[(name, conns)], k) for k in ("p50", "p99", "rps")}
+                print(f"| {conns} | {name} | {e['p50']:.3f} | {e['p99']:.3f} | {e['rps']:.0f} |")
+                print(
+                    f"| {conns} | {name}: added / ratio | +{e['p50'] - d['p50']:.3f} | "
+                    f"+{e['p99'] - d['p99']:.3f} | {e['rps'] / d['rps']:.2f}x |"
+                )
+        for name, rs in rejections.items():
             print(
-                f"| {conns} | added / ratio | +{e['p50'] - d['p50']:.3f} | "
-                f"+{e['p99'] - d['p99']:.3f} | {e['rps'] / d['rps']:.2f}x |"
+                f"| 32 | {name}, all busy (529) | {med(rs, 'p50'):.3f} | {med(rs, 'p99'):.3f} "
+                f"| {med(rs, 'rps'):.0f} |"
             )
-        print(f"| 32 | extproc, all busy (529) | {rej_p50:.3f} | {rej_p99:.3f} | {rej:.0f} |")
-        routed = re.search(r'^extproc_decisions_total\{outcome="routed"\} (\S+)', decisions, re.M)
-        over = re.search(r'^extproc_decisions_total\{outcome="overloaded"\} (\S+)', decisions, re.M)
-        print(
-            f"\nextproc decisions: routed={routed.group(1) if routed else 0} "
-            f"overloaded={over.group(1) if over else 0}"
-        )
+        for kind, ext in exts.items():
+            decisions = ext.metrics()
+            routed = re.search(
+                r'^extproc_decisions_total\{outcome="routed"\} (\S+)', decisions, re.M
+            )
+            over = re.search(
+                r'^extproc_decisions_total\{outcome="overloaded"\} (\S+)', decisions, re.M
+            )
+            print(
+                f"\nextproc ({kind}) decisions: routed={routed.group(1) if routed else 0} "
+                f"overloaded={over.group(1) if over else 0}"
+            )
         return 0
     finally:
         for p in reversed(procs):
