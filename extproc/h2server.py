@@ -58,6 +58,8 @@ OUR_STREAM_WINDOW = 4 << 20
 MAX_MESSAGE = 64 << 20
 MAX_HEADER_LIST = 64 << 10
 MAX_STREAMS = 100_000
+# Decoded header blocks kept per connection (see ``H2Connection._metadata``).
+HEADER_CACHE = 64
 
 
 class Later(NamedTuple):
@@ -169,6 +171,7 @@ class H2Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.preface_seen = False
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self.header_cache: dict[bytes, dict[str, str]] = {}
         self.streams: dict[int, _Stream] = {}
         self.last_stream = 0
         self.send_window = DEFAULT_WINDOW
@@ -357,11 +360,32 @@ class H2Connection(asyncio.Protocol):
                 return
         self._drain_blocked()
 
-    def _on_headers(self, sid: int, flags: int, block: bytes) -> None:
+    def _metadata(self, block: bytes) -> dict[str, str]:
+        """Decode a header block; a repeated one that leaves the table alone is looked up.
+
+        Envoy sends the same block for every ext_proc stream of a connection (its
+        dynamic table entries plus a Huffman-coded ``:path`` literal), and decoding
+        that in pure Python is a quarter of the per-request CPU.
+        """
+        cache = self.header_cache
+        metadata = cache.get(block)
+        if metadata is not None:
+            return metadata
         try:
             headers = self.decoder.decode(block)
         except hpack.HPACKError as exc:
             raise ProtocolError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        metadata = {str(k): str(v) for k, v in headers}
+        if changes_table(block):
+            cache.clear()  # cached blocks may refer to entries that have moved
+        else:
+            if len(cache) >= HEADER_CACHE:
+                cache.clear()
+            cache[block] = metadata
+        return metadata
+
+    def _on_headers(self, sid: int, flags: int, block: bytes) -> None:
+        metadata = self._metadata(block)
         st = self.streams.get(sid)
         if st is not None:  # trailers
             if not flags & END_STREAM:
@@ -376,7 +400,6 @@ class H2Connection(asyncio.Protocol):
         if self.going_away or len(self.streams) >= MAX_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
             return
-        metadata = {str(k): str(v) for k, v in headers}
         st = _Stream(sid, None, self.peer_stream_window)
         self.streams[sid] = st
         if metadata.get(":path") != self.server.path or metadata.get(":method") != "POST":
@@ -608,6 +631,48 @@ class H2Connection(asyncio.Protocol):
             self.out.append(frame(PING, 0, 0, b"extproc!"))
             self._flush()
         self._arm_keepalive()
+
+
+def _hpack_int_at(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
+    """The HPACK integer at ``block[i]`` and the index after it (RFC 7541 §5.1)."""
+    limit = (1 << prefix_bits) - 1
+    value = block[i] & limit
+    i += 1
+    if value < limit:
+        return value, i
+    shift = 0
+    while True:
+        b = block[i]
+        i += 1
+        value += (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
+def changes_table(block: bytes) -> bool:
+    """Whether decoding this HPACK block adds to or resizes the dynamic table (RFC 7541 §6).
+
+    A block that does not is a pure function of its bytes and the table as it stands.
+    A malformed block counts as changing it (it is never cached; the decoder reports it).
+    """
+    i, n = 0, len(block)
+    try:
+        while i < n:
+            b = block[i]
+            if b & 0x80:  # indexed field
+                _, i = _hpack_int_at(block, i, 7)
+                continue
+            if b & 0x60:  # literal with incremental indexing, or a table size update
+                return True
+            # Literal without indexing or never indexed: 4-bit name index, then strings.
+            name_index, i = _hpack_int_at(block, i, 4)
+            for _ in range(2 if name_index == 0 else 1):
+                length, i = _hpack_int_at(block, i, 7)
+                i += length
+    except IndexError:
+        return True
+    return i != n
 
 
 def _unpad(payload: bytes) -> bytes:

@@ -428,3 +428,57 @@ async def test_keepalive_keeps_a_peer_that_acks() -> None:
         peer.close()
     finally:
         await stop()
+
+
+# ----- header blocks: the decode cache must follow the peer's dynamic table -----------
+
+
+def _string(text: str) -> bytes:
+    raw = text.encode()
+    return bytes((len(raw),)) + raw  # short strings only, no Huffman
+
+
+def _path_literal() -> bytes:
+    return b"\x04" + _string(PATH)  # literal without indexing, name = static :path
+
+
+def _indexed_new(name: str, value: str) -> bytes:
+    return b"\x40" + _string(name) + _string(value)  # literal with incremental indexing
+
+
+def test_changes_table_reads_each_representation() -> None:
+    enc = hpack.Encoder()
+    first = enc.encode([(":method", "POST"), ("x-prefix", "one")])
+    again = enc.encode([(":method", "POST"), ("x-prefix", "one")])  # indexed only now
+    assert h2.changes_table(first)
+    assert not h2.changes_table(again)
+    assert not h2.changes_table(b"\x83" + _path_literal())
+    never = b"\x10" + _string("x-secret") + _string("s")  # never indexed, new name
+    assert not h2.changes_table(never + b"\xbe")
+    assert h2.changes_table(b"\x83" + _indexed_new("x-a", "b"))
+    assert h2.changes_table(b"\x3f\xe1\x1f")  # dynamic table size update
+    assert h2.changes_table(b"\x83\x04\x30abc")  # truncated string: never cached
+    assert h2.changes_table(b"\xff")  # truncated integer
+
+
+async def test_repeated_block_decodes_against_the_current_table(
+    served: tuple[GrpcServer, Recorder],
+) -> None:
+    server, rec = served
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    head = b"\x83" + _path_literal()
+    refers = head + b"\xbe"  # dynamic index 62: the newest entry, whatever it is by then
+    blocks = [
+        head + _indexed_new("x-prefix", "one"),
+        refers,  # "one": cached, since it leaves the table alone
+        refers,
+        head + _indexed_new("x-prefix", "two"),  # now index 62 is "two"
+        refers,  # the same bytes as before must decode to "two"
+    ]
+    for i, block in enumerate(blocks):
+        peer.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block)
+    await _until(lambda: len(rec.metadata) == len(blocks), "every stream opened")
+    assert [m["x-prefix"] for m in rec.metadata] == ["one", "one", "one", "two", "two"]
+    assert all(m[":path"] == PATH for m in rec.metadata)
+    peer.close()
