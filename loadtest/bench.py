@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import shutil
 import statistics
@@ -170,6 +171,12 @@ def run_wrk(
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _label(kind: str, servers: list[str]) -> str:
     return "extproc" if len(servers) == 1 else f"extproc ({kind})"
 
@@ -230,6 +237,8 @@ def main() -> int:
         servers = args.grpc_server
         exts: dict[str, Extproc] = {}
         urls = {}
+        # The processes whose CPU a run through that path costs: its Envoy, its extproc.
+        pids: dict[str, list[int]] = {}
         pubs = []
         for kind in servers:
             ext = Extproc(
@@ -262,8 +271,18 @@ def main() -> int:
             pub.load("busy-1", active_prefill_tokens=5000)
             wait_until(lambda ext=ext: ext.workers()["busy-1"]["state"] == "busy", 5, "busy worker")
             pubs.append(pub)
-            urls.setdefault("direct", f"http://127.0.0.1:{direct_port}")
+            if "direct" not in urls:
+                urls["direct"] = f"http://127.0.0.1:{direct_port}"
+                pids["direct"] = [envoy.proc.pid]
             urls[_label(kind, servers)] = envoy.url
+            pids[_label(kind, servers)] = [envoy.proc.pid, ext.proc.pid]
+
+        def measured(name: str, body: dict[str, Any], conns: int) -> dict[str, float]:
+            before = [cpu_seconds(pid) for pid in pids[name]]
+            r = run_wrk(urls[name], body, conns, args.duration, tmp)
+            for i, pid in enumerate(pids[name]):
+                r[f"cpu{i}"] = (cpu_seconds(pid) - before[i]) / max(r["total"], 1) * 1e6
+            return r
 
         def keep_busy() -> None:  # the busy worker stays busy past the TTL for long runs
             for pub in pubs:
@@ -275,18 +294,18 @@ def main() -> int:
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         for conns in args.concurrency:
             for _ in range(args.rounds):
-                for name, url in urls.items():
+                for name in urls:
                     keep_busy()
-                    r = run_wrk(url, BODY, conns, args.duration, tmp)
+                    r = measured(name, BODY, conns)
                     assert r["non2xx"] == 0, f"{name} c={conns}: {r['non2xx']} non-2xx replies"
                     results.setdefault((name, conns), []).append(r)
         rejections: dict[str, list[dict[str, float]]] = {}
         for _ in range(args.rounds):
-            for name, url in urls.items():
+            for name in urls:
                 if name == "direct":
                     continue
                 keep_busy()
-                r = run_wrk(url, {**BODY, "model": "busy"}, 32, args.duration, tmp)
+                r = measured(name, {**BODY, "model": "busy"}, 32)
                 assert r["non2xx"] == r["total"], "expected only 529s"
                 rejections.setdefault(name, []).append(r)
 
@@ -317,6 +336,16 @@ def main() -> int:
                 f"| 32 | {name}, all busy (529) | {med(rs, 'p50'):.3f} | {med(rs, 'p99'):.3f} "
                 f"| {med(rs, 'rps'):.0f} |"
             )
+        print("\nCPU per request, µs (user + system, from /proc; medians):\n")
+        print("| concurrency | path | Envoy | extproc |")
+        print("|---|---|---|---|")
+        for conns in args.concurrency:
+            for name in urls:
+                rs = results[(name, conns)]
+                ext_cpu = f"{med(rs, 'cpu1'):.0f}" if name != "direct" else "—"
+                print(f"| {conns} | {name} | {med(rs, 'cpu0'):.0f} | {ext_cpu} |")
+        for name, rs in rejections.items():
+            print(f"| 32 | {name}, all busy | {med(rs, 'cpu0'):.0f} | {med(rs, 'cpu1'):.0f} |")
         for kind, ext in exts.items():
             decisions = ext.metrics()
             routed = re.search(
