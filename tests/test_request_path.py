@@ -190,6 +190,30 @@ def test_spoofed_destination_header_never_chooses_upstream(stack: Stack) -> None
     assert json.loads(body)["destination"] is None
 
 
+def test_long_prompt_crosses_the_grpc_windows_and_the_body_limit_is_envoys(stack: Stack) -> None:
+    announce(stack, "big-1", "m-big", "a", kv_total_blocks=100)
+    load(stack, "big-1", "free", active_decode_blocks=0)
+    # 6 MiB: more than one stream window (4 MiB) and grpcio's default message limit.
+    raw = json.dumps(chat("m-big", "x" * (6 << 20))).encode()
+    status, headers, body = http("POST", stack.envoy.url + CHAT, raw, timeout=30)
+    assert (status, headers["x-worker-id"]) == (200, "a"), body[:200]
+    assert json.loads(body)["body_len"] == len(raw)
+    wait_until(
+        lambda: (
+            stack.ext.workers()["big-1"]["ranks"][0]["router_estimate"]["requests_in_flight"] == 0
+        ),
+        5,
+        "estimate released",
+    )
+    # Over the listener's buffer limit (32 MiB): Envoy's 413, nothing reaches a worker.
+    before = upstream_requests(stack)
+    raw = json.dumps(chat("m-big", "x" * (33 << 20))).encode()
+    status, _, _ = http("POST", stack.envoy.url + CHAT, raw, timeout=30)
+    assert status == 413
+    assert upstream_requests(stack) == before
+    stack.pub.bye("big-1")
+
+
 def test_sse_stream_passes_through_intact(stack: Stack) -> None:
     announce(stack, "sse-1", "m-sse", "c", kv_total_blocks=100)
     load(stack, "sse-1", "free", active_decode_blocks=0)
