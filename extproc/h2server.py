@@ -591,6 +591,7 @@ class H2Connection(asyncio.Protocol):
 
     def _fail(self, code: int, message: str) -> None:
         log.warning("closing an ext_proc connection: %s", message)
+        self.server.closed_for["protocol_error"] += 1
         goaway = self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + message.encode()
         self.out.append(frame(GOAWAY, 0, 0, goaway))
         self._flush()
@@ -625,6 +626,7 @@ class H2Connection(asyncio.Protocol):
         if self.ping_due is not None and now >= self.ping_due:
             log.warning("closing an ext_proc connection: no PING ack within %.0fs",
                         self.server.keepalive_timeout)  # fmt: skip
+            self.server.closed_for["keepalive_timeout"] += 1
             self._close()
             return
         if self.ping_due is None and now - self.last_read >= self.server.keepalive_time:
@@ -699,6 +701,8 @@ class GrpcServer:
         self.keepalive_timeout = keepalive_timeout
         self.keepalive_check = min(keepalive_time, keepalive_timeout) / 2
         self.connections: set[H2Connection] = set()
+        # Connections this server closed on an error: "protocol_error", "keepalive_timeout".
+        self.closed_for: collections.Counter[str] = collections.Counter()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()
 

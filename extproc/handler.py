@@ -225,6 +225,7 @@ class ExtProcHandler:
 
     def open_session(self, metadata: Mapping[str, str]) -> Session:
         """A session for one ext_proc stream, from its gRPC metadata."""
+        self.metrics.streams.inc()
         if metadata.get(ROLE_METADATA) == "observe":
             self._observed = True
             return _ObserverSession(self)
@@ -486,19 +487,24 @@ class _RequestSession:
         if not self.closed:
             self.closed = True
             self.handler._on_stream_end(self.st)
+            self.handler.metrics.streams.dec()
 
 
 class _ObserverSession:
     """A stream of the observability-mode filter (it never gets a reply)."""
 
-    __slots__ = ("handler", "stream")
+    __slots__ = ("closed", "handler", "stream")
 
     def __init__(self, handler: ExtProcHandler) -> None:
         self.handler = handler
         self.stream: _Stream | None = None
+        self.closed = False
 
     def receive(self, message: bytes) -> None:
         self.handler._on_observed(self, message)
 
     def close(self) -> None:
         self.stream = None
+        if not self.closed:
+            self.closed = True
+            self.handler.metrics.streams.dec()

@@ -7,11 +7,11 @@ worker that leaves takes its series with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ DECISION_OUTCOMES = (
     "queue_timeout",
 )
 EVENT_TOPICS = ("config", "load", "bye")
+GRPC_CLOSE_REASONS = ("protocol_error", "keepalive_timeout")
 
 disable_created_metrics()
 
@@ -79,6 +80,12 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.streams = Gauge(
+            "extproc_streams",
+            "Open ext_proc streams: one per HTTP request in Envoy's ext_proc filter "
+            "(two with the output observer).",
+            registry=r,
+        )
         self.outcome = _Children(self.decisions)
         self.topic = _Children(self.events)
         self.dropped = _Children(self.events_dropped)
@@ -87,6 +94,41 @@ class Metrics:
         self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]] | None = None
     ) -> None:
         self.registry.register(PoolCollector(pool, queue_depth or dict))
+
+    def watch_grpc(
+        self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Series of the builtin ext_proc server: open connections, connections it closed."""
+        self.registry.register(GrpcCollector(connections, closed))
+
+
+class GrpcCollector(Collector):
+    """Scrape-time series of the builtin ext_proc server."""
+
+    def __init__(
+        self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self.connections = connections
+        self.closed = closed
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(
+            "extproc_grpc_connections",
+            "Open ext_proc (HTTP/2) connections from Envoy.",
+            value=self.connections(),
+        )
+        closed = CounterMetricFamily(
+            "extproc_grpc_connections_closed",
+            "ext_proc connections the extproc closed on an error, by reason.",
+            labels=["reason"],
+        )
+        counts = self.closed()
+        for reason in GRPC_CLOSE_REASONS:
+            closed.add_metric([reason], counts.get(reason, 0))
+        yield closed
 
 
 class PoolCollector(Collector):

@@ -211,6 +211,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         subscriber.close()
         await runner.cleanup()
         return 1
+    if isinstance(server, GrpcServer):
+        grpc_server = server
+        metrics.watch_grpc(lambda: len(grpc_server.connections), lambda: grpc_server.closed_for)
     readiness.grpc_serving = True
     sweeper = asyncio.create_task(_sweep(pool, min(0.5, settings.worker_ttl / 10)))
     log.info(

@@ -39,6 +39,8 @@ def stack(make_stack: Any) -> Stack:
 def test_unlabelled_series_exist_at_zero_and_labelled_appear_with_use(stack: Stack) -> None:
     text = stack.ext.metrics()
     assert metric_value(text, "extproc_events_lost_total") == 0
+    assert metric_value(text, "extproc_streams") == 0
+    assert metric_value(text, "extproc_grpc_connections") == 0
     assert metric_value(text, "extproc_decision_seconds_count") == 0
     assert metric_value(text, "extproc_router_queue_wait_seconds_count") == 0
     assert "dynamo_frontend_model_rejection_total{" not in text

@@ -316,6 +316,7 @@ async def test_bad_preface_gets_goaway_protocol_error(served: tuple[GrpcServer, 
     server, _ = served
     peer = await RawPeer.connect(server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert await _goaway_code(peer) == h2.PROTOCOL_ERROR
+    assert server.closed_for == {"protocol_error": 1}
     peer.close()
 
 
@@ -409,6 +410,7 @@ async def test_keepalive_pings_an_idle_peer_and_drops_one_that_never_acks() -> N
         # No ACK: the server closes the connection and the stream's session.
         assert await peer.until(h2.GOAWAY, timeout=3) is None
         await _until(lambda: rec.closed == [1], "session closed with its connection")
+        assert server.closed_for == {"keepalive_timeout": 1}
         peer.close()
     finally:
         await stop()
@@ -425,6 +427,7 @@ async def test_keepalive_keeps_a_peer_that_acks() -> None:
             assert ping is not None
             peer.send(h2.PING, h2.ACK, 0, ping[3])
         assert len(server.connections) == 1
+        assert not server.closed_for
         peer.close()
     finally:
         await stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import socket
 import time
@@ -212,6 +213,37 @@ def test_long_prompt_crosses_the_grpc_windows_and_the_body_limit_is_envoys(stack
     assert status == 413
     assert upstream_requests(stack) == before
     stack.pub.bye("big-1")
+
+
+def test_open_streams_and_connections_are_in_metrics(
+    stack: Stack, request: pytest.FixtureRequest
+) -> None:
+    announce(stack, "gauge-1", "m-gauge", "b", kv_total_blocks=100)
+    load(stack, "gauge-1", "free", active_decode_blocks=0)
+
+    def streams() -> float | None:
+        return metric_value(stack.ext.metrics(), "extproc_streams")
+
+    wait_until(lambda: streams() == 0, 5, "no stream open before")
+    req = {"model": "m-gauge", "prompt": "hi", "stream": True}
+    slow = {"x-test-chunks": "4", "x-test-delay-ms": "250"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [
+            pool.submit(http, "POST", stack.envoy.url + "/v1/completions", req, slow)
+            for _ in range(2)
+        ]
+        wait_until(lambda: streams() == 2, 5, "one open stream per request in flight")
+        assert [c.result()[0] for c in calls] == [200, 200]
+    wait_until(lambda: streams() == 0, 5, "streams closed when the requests end")
+    text = stack.ext.metrics()
+    if request.node.callspec.params["stack"] == "builtin":
+        assert (metric_value(text, "extproc_grpc_connections") or 0) >= 1
+        for reason in ("protocol_error", "keepalive_timeout"):
+            labels = {"reason": reason}
+            assert metric_value(text, "extproc_grpc_connections_closed_total", labels) == 0
+    else:  # grpcio's server does not say
+        assert metric_value(text, "extproc_grpc_connections") is None
+    stack.pub.bye("gauge-1")
 
 
 def test_sse_stream_passes_through_intact(stack: Stack) -> None:
