@@ -98,6 +98,14 @@ def _call(channel: grpc.aio.Channel, path: str = PATH) -> Callable[..., grpc.aio
 # ----- through grpcio's client --------------------------------------------------------
 
 
+async def _waiting(ch: grpc.aio.Channel, tag: str) -> grpc.aio.StreamStreamCall:
+    """A stream whose session answered ``first:<tag>`` and holds the rest until the gate."""
+    call = _call(ch)()
+    await call.write(f"wait:{tag}".encode())
+    assert await call.read() == f"first:{tag}".encode()
+    return call
+
+
 async def test_replies_in_order_and_stream_ends_ok(served: tuple[GrpcServer, Recorder]) -> None:
     server, rec = served
     async with _channel(server) as ch:
@@ -186,9 +194,7 @@ async def test_session_error_is_internal_and_other_streams_carry_on(
 async def test_later_reply_keeps_the_stream_in_order(served: tuple[GrpcServer, Recorder]) -> None:
     server, rec = served
     async with _channel(server) as ch:
-        call = _call(ch)()
-        await call.write(b"wait:q")
-        assert await call.read() == b"first:q"
+        call = await _waiting(ch, "q")
         # Sent while the Later is pending: its reply must come after the Later's rest.
         await call.write(b"next")
         await call.write(b"silent")
@@ -207,9 +213,7 @@ async def test_later_reply_keeps_the_stream_in_order(served: tuple[GrpcServer, R
 async def test_cancel_closes_the_session_once(served: tuple[GrpcServer, Recorder]) -> None:
     server, rec = served
     async with _channel(server) as ch:
-        call = _call(ch)()
-        await call.write(b"wait:c")
-        assert await call.read() == b"first:c"
+        call = await _waiting(ch, "c")
         call.cancel()
         await _until(lambda: rec.closed == [1], "close() after the client's RST_STREAM")
         # The stream is gone; the connection still serves.
@@ -228,9 +232,7 @@ async def test_stop_lets_open_streams_finish_within_grace(loop_errors: list[obje
     await server.start("127.0.0.1", 0)
     port = server.ports[0]
     async with _channel(server) as ch:
-        call = _call(ch)()
-        await call.write(b"wait:s")
-        assert await call.read() == b"first:s"
+        call = await _waiting(ch, "s")
         stopping = asyncio.ensure_future(server.stop(5.0))
         await _until(lambda: server._server is not None and not server._server.is_serving(), "stop")
         with pytest.raises(OSError):
@@ -248,9 +250,7 @@ async def test_stop_closes_streams_still_open_after_grace() -> None:
     server = GrpcServer(PATH, rec.factory)
     await server.start("127.0.0.1", 0)
     async with _channel(server) as ch:
-        call = _call(ch)()
-        await call.write(b"wait:h")
-        assert await call.read() == b"first:h"
+        call = await _waiting(ch, "h")
         t0 = asyncio.get_running_loop().time()
         await asyncio.wait_for(server.stop(0.3), 5.0)
         assert asyncio.get_running_loop().time() - t0 >= 0.25
