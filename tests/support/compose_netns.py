@@ -536,10 +536,20 @@ class Rehearsal:
                 self.stop(c)
             return added
 
-    def kill(self, c: Container) -> None:
-        """The container's main process dies (SIGKILL): the restart policy decides."""
-        if c.running():
-            os.kill(c.pid, signal.SIGKILL)
+    def kill(self, c: Container, timeout: float = 10.0) -> None:
+        """The container's main process dies (SIGKILL): the restart policy decides.
+
+        Returns once the process has exited, so its sockets are closed: ``os.kill`` only
+        queues the signal, and until the exit the kernel still accepts data for it."""
+        popen = c.popen
+        if popen is None or popen.poll() is not None:
+            return
+        os.kill(popen.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while popen.poll() is None:  # the supervisor may reap it first; poll() sees that too
+            if time.monotonic() > deadline:
+                raise RehearsalError(f"{c.name} (pid {popen.pid}) outlived SIGKILL for {timeout} s")
+            time.sleep(0.005)
 
     def stop(self, c: Container, grace: float = STOP_GRACE) -> int | None:
         """``docker stop``: SIGTERM, then SIGKILL after ``grace``; no restart."""
