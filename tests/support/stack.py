@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -27,8 +28,37 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _fixed_ports() -> range:
+    """Ports the kernel never hands out on its own: those below its ephemeral range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 12000), low)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1, for a server started later, never the same one twice.
+
+    ``bind(0)`` would pick from the ephemeral range, where every outgoing connection
+    (Envoy's, the clients') also takes its local port: one of them could take the port
+    before the server binds it. Below that range only our own servers bind."""
+    ports = _fixed_ports()
+    for _ in range(500 if len(ports) >= 1000 else 0):
+        port = random.choice(ports)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range on this machine
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import zmq.asyncio
 
 from extproc.events.schema import Event, decode
 from extproc.worker.sim import SimWorker
+from tests.support.stack import free_port as free_port  # for the worker tests
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,6 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Subscriber:
