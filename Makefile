@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast lint format bench clean
+.PHONY: help install demo test test-fast lint format bench bench-events clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +36,10 @@ format: $(STAMP) ## Apply ruff fixes and formatting
 bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get install wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) loadtest/bench.py $(ARGS)
+
+bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/without 50k events/s (wrk)
+	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
+	$(PY) loadtest/events_bench.py $(ARGS)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest

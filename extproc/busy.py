@@ -93,4 +93,4 @@ def rank_busy_reason(
 
 def worker_busy(rank_reasons: list[str | None]) -> bool:
     """Busy only if every rank that has load data is busy; no data at all = free."""
-    return bool(rank_reasons) and all(r is not None for r in rank_reasons)
+    return bool(rank_reasons) and None not in rank_reasons

@@ -351,8 +351,14 @@ class WorkerPool:
         self._refresh_worker(worker)
 
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
-        rank.busy_reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
-        self._refresh_worker(worker)
+        reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
+        rank.busy_reason = reason
+        if len(worker.ranks) == 1:
+            # The common case, once per load event. A rank without data has no load to
+            # fire a check (reason None), so this is worker_busy() of its one rank.
+            worker.busy = reason is not None
+        else:
+            self._refresh_worker(worker)
 
     @staticmethod
     def _refresh_worker(worker: Worker) -> None:

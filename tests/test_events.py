@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -21,7 +22,7 @@ from extproc.events.schema import (
     decode,
     encode,
 )
-from extproc.events.subscriber import EventBindError, EventSubscriber
+from extproc.events.subscriber import DRAIN_BATCH, EventBindError, EventSubscriber
 from extproc.metrics import Metrics
 from tests.support.stack import free_port
 
@@ -213,4 +214,93 @@ async def test_subscriber_connects_to_a_binding_publisher() -> None:
         assert pool.by_model["m"][0].worker_id == "join"
     finally:
         pub.close(0)
+        sub.close()
+
+
+async def _backlog(pool: WorkerPool, name: str, messages: list[list[bytes]]) -> None:
+    """Queue ``messages`` on the subscriber's socket while the event loop is not running.
+
+    inproc on aiozmq's own context: a send lands in the SUB's queue at once, so the whole
+    list is waiting when the loop next turns."""
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.connect(name)
+    join = [b"config", mp({**CFG, "worker_id": "join"})]
+    deadline = asyncio.get_running_loop().time() + 5
+    while "join" not in pool.workers:  # PUB/SUB joins late
+        assert asyncio.get_running_loop().time() < deadline, "subscriber never joined"
+        pub.send_multipart(join)
+        await asyncio.sleep(0.01)
+    for frames in messages:  # no await in here: the loop stands still
+        pub.send_multipart(frames)
+    pub.close()
+
+
+async def test_a_backlog_is_read_in_bounded_batches_between_other_work() -> None:
+    """A flood of events neither takes one loop turn per event (slow) nor holds the loop
+    until it is drained (requests would wait): at most a batch per turn."""
+    pool = WorkerPool(BusyThresholds(0.5))
+    metrics = Metrics()
+    sub = EventSubscriber(pool, metrics)
+    name = "inproc://events-backlog"
+    await sub.start([name], [])
+    try:
+        n = 2000
+        loads = [[b"load", mp({"v": 1, "worker_id": "w", "active_prefill_tokens": k,
+                               "seq": k})] for k in range(1, n + 1)]  # fmt: skip
+        await _backlog(pool, name, [[b"config", mp(CFG)], *loads])
+        loop = asyncio.get_running_loop()
+        seen: list[int] = []
+
+        def tick() -> None:  # once per loop turn: how far the subscriber has got
+            w = pool.workers.get("w")
+            seen.append((w.last_seq or 0) if w else 0)
+            if seen[-1] < n:
+                loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        await _until(lambda: pool.workers["w"].last_seq == n)
+        steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
+        # Other work ran between batches (a turn of 128 events is ~1 ms of loop time)...
+        assert max(steps) <= min(2 * DRAIN_BATCH, 128), max(steps)
+        # ...and the backlog did not take a turn per event: 8 or more a turn on average.
+        assert len(steps) <= n / 8, len(steps)
+        assert pool.workers["w"].ranks[0].reported_prefill == n  # in order: the last wins
+        assert counter(metrics, "extproc_events_total", {"topic": "load"}) == n
+        assert counter(metrics, "extproc_events_lost_total") == 0
+    finally:
+        sub.close()
+
+
+async def test_bad_messages_inside_a_batch_are_dropped_alone() -> None:
+    """Frames are read message by message in a batch too: a 3-frame or 1-frame message in
+    the middle is dropped whole and its neighbours are applied."""
+    pool = WorkerPool(BusyThresholds(0.5))
+    metrics = Metrics()
+    sub = EventSubscriber(pool, metrics)
+    name = "inproc://events-bad-batch"
+    await sub.start([name], [])
+    try:
+
+        def load(k: int) -> list[bytes]:
+            return [b"load", mp({"v": 1, "worker_id": "w", "active_prefill_tokens": k, "seq": k})]
+
+        messages = [[b"config", mp(CFG)]]
+        for k in range(1, 101):
+            messages.append(load(k))
+            if k == 30:
+                messages.append([b"load", mp({"v": 1, "worker_id": "w"}), b"extra"])
+            if k == 60:
+                messages.append([b"load"])
+            if k == 90:
+                messages.append([b"gossip", b"{}"])
+        await _backlog(pool, name, messages)
+        await _until(lambda: pool.workers["w"].last_seq == 100)
+        assert counter(metrics, "extproc_events_dropped_total", {"reason": "bad_frames"}) == 2
+        assert counter(metrics, "extproc_events_dropped_total", {"reason": "unknown_topic"}) == 1
+        assert counter(metrics, "extproc_events_total", {"topic": "load"}) == 100
+        assert counter(metrics, "extproc_events_lost_total") == 0
+        assert pool.workers["w"].ranks[0].reported_prefill == 100
+    finally:
         sub.close()

@@ -25,12 +25,39 @@ class EventBindError(RuntimeError):
     """The SUB socket could not bind or connect; the message names the endpoint."""
 
 
+# Messages taken per turn of the event loop. aiozmq hands over one message per turn (and
+# asks the socket for its state twice per message); the rest of what is already queued is
+# read here directly. Bounded, so a flood of events holds up a request's ext_proc message
+# by one batch at most: at ~10 µs an event, 16 take about 0.15 ms (64 doubled the latency
+# a 50,000 events/s stream added at concurrency 1; 8 cost a fifth of the ingest rate).
+DRAIN_BATCH = 16
+
+
 class _SubProtocol(aiozmq.ZmqProtocol):
     def __init__(self, sink: EventSubscriber) -> None:
         self.sink = sink
+        self.sock: zmq.Socket[bytes] | None = None
+
+    def connection_made(self, transport: aiozmq.ZmqTransport) -> None:
+        self.sock = transport.get_extra_info("zmq_socket")
 
     def msg_received(self, data: list[bytes]) -> None:
-        self.sink.on_message(data)
+        sink = self.sink
+        sink.on_message(data)
+        sock = self.sock
+        if sock is not None:
+            recv, noblock = sock.recv, zmq.NOBLOCK
+            for _ in range(DRAIN_BATCH - 1):
+                try:
+                    part = recv(noblock, copy=False)
+                except zmq.ZMQError:  # EAGAIN: nothing more queued (errors: aiozmq reports)
+                    break
+                frames = [part.bytes]
+                while part.more:
+                    part = recv(noblock, copy=False)
+                    frames.append(part.bytes)
+                sink.on_message(frames)
+        sink.flush_counts()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.sink.closed.set()
@@ -46,6 +73,7 @@ class EventSubscriber:
         self.closed = asyncio.Event()
         self._transport: Any = None
         self._lost_reported = 0
+        self._counts: dict[bytes, int] = {}  # well-formed events by topic, not yet flushed
         self.endpoints: list[str] = []
 
     async def start(self, bind: list[str], connect: list[str]) -> None:
@@ -68,7 +96,7 @@ class EventSubscriber:
                 raise EventBindError(f"cannot connect event socket to {endpoint}: {exc}") from None
 
     def on_message(self, frames: list[bytes]) -> None:
-        m = self.metrics
+        """Apply one message; its count reaches the metrics at ``flush_counts()``."""
         try:
             if len(frames) != 2:
                 raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
@@ -76,15 +104,23 @@ class EventSubscriber:
             event = decode(topic, frames[1])
             self.pool.apply(event)
         except EventRejected as exc:
-            m.dropped[exc.reason].inc()
+            self.metrics.dropped[exc.reason].inc()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("dropped event: %s", exc)
             return
         except Exception:  # never let one message stop the subscriber
             log.exception("unexpected error applying an event; dropped")
-            m.dropped["bad_schema"].inc()
+            self.metrics.dropped["bad_schema"].inc()
             return
-        m.topic[topic.decode()].inc()
+        counts = self._counts
+        counts[topic] = counts.get(topic, 0) + 1
+
+    def flush_counts(self) -> None:
+        """Add the events counted since the last flush to the metrics (once per batch)."""
+        m = self.metrics
+        for topic, n in self._counts.items():
+            m.topic[topic.decode()].inc(n)
+        self._counts.clear()
         lost = self.pool.events_lost
         if lost != self._lost_reported:
             m.events_lost.inc(lost - self._lost_reported)

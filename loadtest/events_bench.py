@@ -1,0 +1,355 @@
+"""Event-plane benchmark: how fast the extproc ingests worker load events, and what a steady
+event stream does to the request path, side by side in one run.
+
+1. Ingest: a publisher process sends msgpack ``load`` events as fast as it can for
+   ``--ingest-seconds`` (``--workers`` workers in turn, each with its own ``seq``). The
+   extproc's ``extproc_events_total{topic="load"}`` over that window is the ingest rate; its
+   CPU from ``/proc`` gives the cost per event; ``extproc_events_lost_total`` and the gap
+   between sent and received show anything dropped on the way.
+2. Alongside requests: the ``bench.py`` stack (Envoy with a ``direct`` and an ``extproc``
+   listener on a worker that is itself an Envoy), ``wrk`` at each ``--concurrency``, runs
+   alternating between no events and a publisher pacing ``--rate`` events/s. The direct path
+   runs with the publisher too, so the publisher's own CPU on these shared cores shows as
+   the difference on ``direct``, and the extproc's share as the rest.
+
+    python loadtest/events_bench.py [--rate 50000] [--duration 5] [--rounds 3]
+    python loadtest/events_bench.py --ingest-only          # part 1 alone (no wrk needed)
+
+The publisher is this script run with ``--publish ENDPOINT``; it prints what it sent as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.bench import BODY, add_direct_listener, cpu_seconds, run_wrk, worker_config
+from tests.support.stack import (
+    PYTHON,
+    ROOT,
+    Envoy,
+    Extproc,
+    Proc,
+    Publisher,
+    envoy_binary,
+    free_port,
+    http,
+    metric_value,
+    wait_until,
+)
+
+THRESHOLD = 1000  # --active-prefill-tokens-threshold: the bench worker stays under it
+EVENT_MODEL = "events"  # the event-only workers serve a model no request asks for
+FAST_RATE = 200_000  # events encoded per second of an as-fast-as-possible run
+
+
+# ----- the publisher (a process of its own) -----------------------------------------------
+
+
+def encoded_events(workers: int, count: int) -> list[bytes]:
+    """``count`` msgpack ``load`` payloads, round robin over ``ev-0..ev-{workers-1}`` and
+    ``bench-1``, each worker with its own rising ``seq``."""
+    ids = [f"ev-{i}" for i in range(workers)] + ["bench-1"]
+    enc = msgspec.msgpack.Encoder()
+    out = []
+    for k in range(count):
+        wid = ids[k % len(ids)]
+        n = k // len(ids) + 1
+        out.append(
+            enc.encode(
+                {
+                    "v": 1,
+                    "worker_id": wid,
+                    "active_decode_blocks": n % 900,
+                    # bench-1 stays free (under THRESHOLD); the others go above and below.
+                    "active_prefill_tokens": n % 500 if wid == "bench-1" else n % 2000,
+                    "seq": n,
+                }
+            )
+        )
+    return out
+
+
+def publish(endpoint: str, workers: int, rate: float, seconds: float) -> int:
+    """Send ``load`` events for ``seconds``: paced at ``rate``/s, or (``rate`` 0) as fast as
+    the socket takes them. Payloads are encoded before the clock starts, so the publisher
+    costs these shared cores little more than the sends. Prints the counts as JSON."""
+    count = int(rate * seconds) + 1 if rate > 0 else int(FAST_RATE * seconds)
+    payloads = encoded_events(workers, count)
+    # XPUB: a PUB that also hears the subscription, so nothing is sent before the extproc
+    # listens (a plain PUB drops what it sends before then).
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never drop here: what is not ingested queues up
+    sock.setsockopt(zmq.LINGER, 30_000)  # what is queued at the end still goes out
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(endpoint)
+    if sock.recv()[:1] != b"\x01":
+        raise RuntimeError("expected a subscription from the extproc")
+    send = sock.send_multipart
+    sent = 0
+    cpu0 = time.process_time()
+    started = time.monotonic()
+    end = started + seconds
+    while sent < count:
+        now = time.monotonic()
+        if now >= end:
+            break
+        due = min(sent + 5000 if rate <= 0 else int((now - started) * rate) + 1, count)
+        for payload in payloads[sent:due]:
+            send([b"load", payload])
+        sent = max(sent, due)
+        if rate > 0:
+            time.sleep(max(0.001, started + sent / rate - time.monotonic()))
+    elapsed = time.monotonic() - started
+    cpu = time.process_time() - cpu0
+    sock.close()
+    ctx.term()  # waits (up to the linger) until what is queued has gone out
+    print(json.dumps({"sent": sent, "seconds": elapsed, "cpu_s": cpu}), flush=True)
+    return 0
+
+
+class PublisherProc:
+    """``events_bench.py --publish`` in the background; ``finish()`` returns its counts."""
+
+    def __init__(self, endpoint: str, workers: int, rate: float, seconds: float) -> None:
+        cmd = [
+            PYTHON, str(Path(__file__).resolve()), "--publish", endpoint,
+            "--workers", str(workers), "--rate", str(rate), "--seconds", str(seconds),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.seconds = seconds
+
+    def finish(self) -> dict[str, Any]:
+        out, err = self.proc.communicate(timeout=self.seconds + 30)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"publisher exited {self.proc.returncode}: {err.decode()[-2000:]}")
+        counts: dict[str, Any] = json.loads(out)
+        return counts
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+# ----- measuring -------------------------------------------------------------------------
+
+
+def load_events(ext: Extproc) -> float:
+    return metric_value(ext.metrics(), "extproc_events_total", {"topic": "load"}) or 0.0
+
+
+def lost_events(ext: Extproc) -> float:
+    return metric_value(ext.metrics(), "extproc_events_lost_total") or 0.0
+
+
+def announce_event_workers(ext: Extproc, pub: Publisher, workers: int, endpoint: str) -> None:
+    for i in range(workers):
+        pub.config(f"ev-{i}", EVENT_MODEL, endpoint, kv_total_blocks=1000)
+    wait_until(
+        lambda: sum(w.startswith("ev-") for w in ext.workers()) == workers,
+        20,
+        f"{workers} event workers announced",
+    )
+
+
+def wait_for_drain(ext: Extproc) -> None:
+    """Until the extproc has applied every queued event (its count stops moving)."""
+
+    def drained() -> bool:
+        a = load_events(ext)
+        time.sleep(0.3)
+        return load_events(ext) == a
+
+    wait_until(drained, 60, "the event backlog to drain")
+
+
+def ingest(ext: Extproc, workers: int, seconds: float) -> dict[str, float]:
+    """Part 1: publish as fast as possible; what the extproc took in, per second."""
+    before_events, before_lost = load_events(ext), lost_events(ext)
+    pub = PublisherProc(ext.event_endpoint, workers, 0, seconds)
+    try:
+        # The window: from the first event applied to the publisher's exit.
+        wait_until(lambda: load_events(ext) > before_events, 20, "the first events")
+        t0, e0, c0 = time.monotonic(), load_events(ext), cpu_seconds(ext.proc.pid)
+        wait_until(lambda: pub.proc.poll() is not None, seconds + 30, "the publisher to finish")
+        t1, e1, c1 = time.monotonic(), load_events(ext), cpu_seconds(ext.proc.pid)
+        counts = pub.finish()
+    finally:
+        pub.stop()
+    sent = counts["sent"]
+
+    wait_for_drain(ext)
+    return {
+        "sent": sent,
+        "publisher_rate": sent / counts["seconds"],
+        "publisher_cpu_share": counts["cpu_s"] / counts["seconds"],
+        "ingested_rate": (e1 - e0) / (t1 - t0),
+        "received": load_events(ext) - before_events,
+        "lost_seq": lost_events(ext) - before_lost,
+        "cpu_us_per_event": (c1 - c0) / max(e1 - e0, 1) * 1e6,
+        "extproc_cpu_share": (c1 - c0) / (t1 - t0),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=50_000, help="paced events/s in part 2")
+    parser.add_argument("--workers", type=int, default=64, help="event-only workers")
+    parser.add_argument("--ingest-seconds", type=float, default=5.0)
+    parser.add_argument("--ingest-only", action="store_true", help="part 1 only")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per case")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--publish", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=5.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.publish:
+        return publish(args.publish, args.workers, args.rate, args.seconds)
+    if not args.ingest_only and not shutil.which("wrk"):
+        print("wrk not found: apt-get install wrk (or --ingest-only)", file=sys.stderr)
+        return 2
+
+    tmp = Path(tempfile.mkdtemp(prefix="events-bench-"))
+    procs: list[Any] = []
+    try:
+        wport, wadmin = free_port(), free_port()
+        (tmp / "worker.json").write_text(json.dumps(worker_config(wport, wadmin)))
+        worker = Proc(
+            "worker-envoy",
+            [envoy_binary(), "-c", str(tmp / "worker.json"), "--disable-hot-restart",
+             "--concurrency", "1", "-l", "error"],
+            tmp,
+        )  # fmt: skip
+        procs.append(worker)
+        wait_until(lambda: http("GET", f"http://127.0.0.1:{wport}/")[0] == 200, 20, "worker")
+        ext = Extproc(
+            tmp,
+            ["--active-prefill-tokens-threshold", str(THRESHOLD), "--log-level", "WARNING",
+             "--worker-ttl", "86400"],
+        )  # fmt: skip
+        procs.append(ext)
+        pub = Publisher(ext.event_endpoint)
+        endpoint = f"127.0.0.1:{wport}"
+        pub.announce(ext, "bench-1", "bench", endpoint, kv_total_blocks=1000)
+        announce_event_workers(ext, pub, args.workers, endpoint)
+
+        ing = ingest(ext, args.workers, args.ingest_seconds)
+        print(
+            f"\nIngest, publisher as fast as it can for {args.ingest_seconds:g} s "
+            f"({args.workers + 1} workers, msgpack load events):\n"
+        )
+        print("| publisher sent/s | extproc ingested/s | extproc CPU per event | "
+              "extproc CPU | publisher CPU | received / sent | seq gaps |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        print(
+            f"| {ing['publisher_rate']:,.0f} | **{ing['ingested_rate']:,.0f}** | "
+            f"{ing['cpu_us_per_event']:.1f} µs | {ing['extproc_cpu_share']:.0%} of a core | "
+            f"{ing['publisher_cpu_share']:.0%} of a core | "
+            f"{ing['received']:,.0f} / {ing['sent']:,.0f} | {ing['lost_seq']:,.0f} |"
+        )
+        if args.ingest_only:
+            return 0 if ing["received"] == ing["sent"] else 1
+
+        direct_port = free_port()
+        envoy = Envoy(
+            tmp, ext, [wport], tweak=add_direct_listener(direct_port, "SEND"),
+            source=ROOT / "envoy" / "envoy.yaml",
+        )  # fmt: skip
+        procs.append(envoy)
+        urls = {"direct": f"http://127.0.0.1:{direct_port}", "extproc": envoy.url}
+        for url in urls.values():
+            run_wrk(url, BODY, 4, 1, tmp)
+
+        results: dict[tuple[str, bool, int], list[dict[str, float]]] = {}
+        for conns in args.concurrency:
+            for _ in range(args.rounds):
+                for name, url in urls.items():
+                    for events in (False, True):
+                        r = one_run(ext, url, conns, args, tmp, events, name == "extproc")
+                        assert r["non2xx"] == 0, f"{name} c={conns}: {r['non2xx']} non-2xx"
+                        results.setdefault((name, events, conns), []).append(r)
+        report(results, args)
+        return 0
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def one_run(
+    ext: Extproc, url: str, conns: int, args: argparse.Namespace, tmp: Path,
+    events: bool, through_extproc: bool,
+) -> dict[str, float]:  # fmt: skip
+    """One wrk run, with a paced publisher running across it when ``events``."""
+    pub = None
+    before = load_events(ext), cpu_seconds(ext.proc.pid)
+    if events:
+        # Starts a little before wrk and ends a little after: the whole run sees events.
+        pub = PublisherProc(ext.event_endpoint, args.workers, args.rate, args.duration + 1.5)
+        wait_until(lambda: load_events(ext) > before[0], 10, "events to arrive")
+    try:
+        t0 = time.monotonic()
+        e0, c0 = load_events(ext), cpu_seconds(ext.proc.pid)
+        r = run_wrk(url, BODY, conns, args.duration, tmp)
+        elapsed = time.monotonic() - t0
+        r["events_rate"] = (load_events(ext) - e0) / elapsed
+        r["ext_cpu_us"] = (cpu_seconds(ext.proc.pid) - c0) / max(r["total"], 1) * 1e6
+        if not through_extproc:
+            r["ext_cpu_us"] = float("nan")
+        if pub is not None:
+            pub.finish()
+            wait_for_drain(ext)  # no backlog spills into the next run
+    finally:
+        if pub is not None:
+            pub.stop()
+    return r
+
+
+def report(results: dict[tuple[str, bool, int], list[dict[str, float]]], args: Any) -> None:
+    def med(rs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
+    print(
+        f"\nRequests with and without {args.rate:,.0f} load events/s, wrk -t1, "
+        f"{args.duration:g} s per run, {args.rounds} alternating rounds, medians:\n"
+    )
+    print("| concurrency | path | events/s ingested | p50 ms | p99 ms | req/s | "
+          "extproc CPU/request µs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for conns in args.concurrency:
+        for name in ("direct", "extproc"):
+            base = results[(name, False, conns)]
+            for events in (False, True):
+                rs = results[(name, events, conns)]
+                cpu = med(rs, "ext_cpu_us")
+                print(
+                    f"| {conns} | {name}{' + events' if events else ''} | "
+                    f"{med(rs, 'events_rate'):,.0f} | {med(rs, 'p50'):.3f} | "
+                    f"{med(rs, 'p99'):.3f} | {med(rs, 'rps'):.0f} | "
+                    f"{'—' if cpu != cpu else f'{cpu:.0f}'} |"
+                )
+            ev = results[(name, True, conns)]
+            print(
+                f"| {conns} | {name}: events added / ratio | | "
+                f"+{med(ev, 'p50') - med(base, 'p50'):.3f} | "
+                f"+{med(ev, 'p99') - med(base, 'p99'):.3f} | "
+                f"{med(ev, 'rps') / med(base, 'rps'):.2f}x | |"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
