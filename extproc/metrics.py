@@ -74,6 +74,12 @@ class Metrics:
         self.events_lost = Counter(
             "extproc_events_lost", "Load events lost (gaps in per-worker seq).", registry=r
         )
+        self.event_seconds = Counter(
+            "extproc_event_seconds",
+            "Time the event loop spent reading and applying worker events. Its rate is the "
+            "share of the loop they take; near 1 with the requests' share, events queue up.",
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "extproc_router_queue_wait_seconds",
             "Time requests waited in the router queue.",

@@ -153,6 +153,10 @@ def load_events(ext: Extproc) -> float:
     return metric_value(ext.metrics(), "extproc_events_total", {"topic": "load"}) or 0.0
 
 
+def event_seconds(ext: Extproc) -> float:
+    return metric_value(ext.metrics(), "extproc_event_seconds_total") or 0.0
+
+
 def lost_events(ext: Extproc) -> float:
     return metric_value(ext.metrics(), "extproc_events_lost_total") or 0.0
 
@@ -303,10 +307,11 @@ def one_run(
         wait_until(lambda: load_events(ext) > before[0], 10, "events to arrive")
     try:
         t0 = time.monotonic()
-        e0, c0 = load_events(ext), cpu_seconds(ext.proc.pid)
+        e0, c0, s0 = load_events(ext), cpu_seconds(ext.proc.pid), event_seconds(ext)
         r = run_wrk(url, BODY, conns, args.duration, tmp)
         elapsed = time.monotonic() - t0
         r["events_rate"] = (load_events(ext) - e0) / elapsed
+        r["loop_share"] = (event_seconds(ext) - s0) / elapsed
         r["ext_cpu_us"] = (cpu_seconds(ext.proc.pid) - c0) / max(r["total"], 1) * 1e6
         if not through_extproc:
             r["ext_cpu_us"] = float("nan")
@@ -327,9 +332,9 @@ def report(results: dict[tuple[str, bool, int], list[dict[str, float]]], args: A
         f"\nRequests with and without {args.rate:,.0f} load events/s, wrk -t1, "
         f"{args.duration:g} s per run, {args.rounds} alternating rounds, medians:\n"
     )
-    print("| concurrency | path | events/s ingested | p50 ms | p99 ms | req/s | "
-          "extproc CPU/request µs |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| concurrency | path | events/s ingested | loop on events | p50 ms | p99 ms "
+          "| req/s | extproc CPU/request µs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for conns in args.concurrency:
         for name in ("direct", "extproc"):
             base = results[(name, False, conns)]
@@ -338,13 +343,14 @@ def report(results: dict[tuple[str, bool, int], list[dict[str, float]]], args: A
                 cpu = med(rs, "ext_cpu_us")
                 print(
                     f"| {conns} | {name}{' + events' if events else ''} | "
-                    f"{med(rs, 'events_rate'):,.0f} | {med(rs, 'p50'):.3f} | "
+                    f"{med(rs, 'events_rate'):,.0f} | {med(rs, 'loop_share'):.0%} | "
+                    f"{med(rs, 'p50'):.3f} | "
                     f"{med(rs, 'p99'):.3f} | {med(rs, 'rps'):.0f} | "
                     f"{'—' if cpu != cpu else f'{cpu:.0f}'} |"
                 )
             ev = results[(name, True, conns)]
             print(
-                f"| {conns} | {name}: events added / ratio | | "
+                f"| {conns} | {name}: events added / ratio | | | "
                 f"+{med(ev, 'p50') - med(base, 'p50'):.3f} | "
                 f"+{med(ev, 'p99') - med(base, 'p99'):.3f} | "
                 f"{med(ev, 'rps') / med(base, 'rps'):.2f}x | |"

@@ -259,6 +259,7 @@ async def test_a_backlog_is_read_in_bounded_batches_between_other_work() -> None
             if seen[-1] < n:
                 loop.call_soon(tick)
 
+        began = loop.time()
         loop.call_soon(tick)
         await _until(lambda: pool.workers["w"].last_seq == n)
         steps = [b - a for a, b in itertools.pairwise(seen) if b > a]
@@ -269,6 +270,9 @@ async def test_a_backlog_is_read_in_bounded_batches_between_other_work() -> None
         assert pool.workers["w"].ranks[0].reported_prefill == n  # in order: the last wins
         assert counter(metrics, "extproc_events_total", {"topic": "load"}) == n
         assert counter(metrics, "extproc_events_lost_total") == 0
+        # The time it took is counted, and is part of the time that passed.
+        spent = counter(metrics, "extproc_event_seconds_total")
+        assert 0 < spent <= loop.time() - began, spent
     finally:
         sub.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aiozmq
@@ -42,6 +43,7 @@ class _SubProtocol(aiozmq.ZmqProtocol):
         self.sock = transport.get_extra_info("zmq_socket")
 
     def msg_received(self, data: list[bytes]) -> None:
+        started = time.perf_counter()
         sink = self.sink
         sink.on_message(data)
         sock = self.sock
@@ -58,6 +60,7 @@ class _SubProtocol(aiozmq.ZmqProtocol):
                     frames.append(part.bytes)
                 sink.on_message(frames)
         sink.flush_counts()
+        sink.metrics.event_seconds.inc(time.perf_counter() - started)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.sink.closed.set()
