@@ -217,6 +217,14 @@ async def test_subscriber_connects_to_a_binding_publisher() -> None:
         sub.close()
 
 
+async def _inproc_subscriber(name: str) -> tuple[WorkerPool, Metrics, EventSubscriber]:
+    pool = WorkerPool(BusyThresholds(0.5))
+    metrics = Metrics()
+    sub = EventSubscriber(pool, metrics)
+    await sub.start([name], [])
+    return pool, metrics, sub
+
+
 async def _backlog(pool: WorkerPool, name: str, messages: list[list[bytes]]) -> None:
     """Queue ``messages`` on the subscriber's socket while the event loop is not running.
 
@@ -240,11 +248,8 @@ async def _backlog(pool: WorkerPool, name: str, messages: list[list[bytes]]) -> 
 async def test_a_backlog_is_read_in_bounded_batches_between_other_work() -> None:
     """A flood of events neither takes one loop turn per event (slow) nor holds the loop
     until it is drained (requests would wait): at most a batch per turn."""
-    pool = WorkerPool(BusyThresholds(0.5))
-    metrics = Metrics()
-    sub = EventSubscriber(pool, metrics)
     name = "inproc://events-backlog"
-    await sub.start([name], [])
+    pool, metrics, sub = await _inproc_subscriber(name)
     try:
         n = 2000
         loads = [[b"load", mp({"v": 1, "worker_id": "w", "active_prefill_tokens": k,
@@ -280,11 +285,8 @@ async def test_a_backlog_is_read_in_bounded_batches_between_other_work() -> None
 async def test_bad_messages_inside_a_batch_are_dropped_alone() -> None:
     """Frames are read message by message in a batch too: a 3-frame or 1-frame message in
     the middle is dropped whole and its neighbours are applied."""
-    pool = WorkerPool(BusyThresholds(0.5))
-    metrics = Metrics()
-    sub = EventSubscriber(pool, metrics)
     name = "inproc://events-bad-batch"
-    await sub.start([name], [])
+    pool, metrics, sub = await _inproc_subscriber(name)
     try:
 
         def load(k: int) -> list[bytes]:
