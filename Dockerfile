@@ -14,6 +14,7 @@ WORKDIR /app
 # pyproject.toml names README.md as the package's readme: the build needs both.
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
+COPY llmworker ./llmworker
 RUN pip install . \
     && useradd --system --uid 10001 --no-create-home shedder
 

@@ -25,13 +25,13 @@ test: $(STAMP) ## Run the whole test suite (unit + integration through the real 
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy
-	$(VENV)/bin/ruff check extproc tests loadtest
-	$(VENV)/bin/ruff format --check extproc tests loadtest
+	$(VENV)/bin/ruff check extproc llmworker tests loadtest
+	$(VENV)/bin/ruff format --check extproc llmworker tests loadtest
 	$(VENV)/bin/mypy
 
 format: $(STAMP) ## Apply ruff fixes and formatting
-	$(VENV)/bin/ruff check --fix extproc tests loadtest
-	$(VENV)/bin/ruff format extproc tests loadtest
+	$(VENV)/bin/ruff check --fix extproc llmworker tests loadtest
+	$(VENV)/bin/ruff format extproc llmworker tests loadtest
 
 bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get install wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }

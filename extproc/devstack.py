@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "extproc.worker.sim",
+                    "llmworker.sim",
                     "--host",
                     "127.0.0.1",
                     "--port",

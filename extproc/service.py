@@ -13,17 +13,17 @@ from aiohttp import web
 
 from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
-from extproc.allowlist import WorkerAllowList
-from extproc.busy import BusyThresholds
-from extproc.datastore import WorkerPool
+from extproc.core.allowlist import WorkerAllowList
+from extproc.core.busy import BusyThresholds
+from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import Scheduler
 from extproc.events.subscriber import EventBindError, EventSubscriber
-from extproc.h2server import GrpcServer
-from extproc.handler import PROCESS_PATH, ExtProcHandler
-from extproc.metrics import Metrics
-from extproc.openai_request import PromptTokenizer
-from extproc.router_queue import RouterQueue
-from extproc.scheduling import Scheduler
+from extproc.handlers.processor import PROCESS_PATH, ExtProcHandler
+from extproc.handlers.router_queue import RouterQueue
+from extproc.metrics.registry import Metrics
+from extproc.openai.request import PromptTokenizer
 from extproc.settings import Settings, all_startup_warnings
+from extproc.transport.h2server import GrpcServer
 
 log = logging.getLogger("extproc")
 

@@ -1,4 +1,4 @@
-"""Service settings: command-line flags over environment variables (SPEC §2).
+"""Service settings: command-line flags over environment variables (docs/configuration.md).
 
 Every setting is a flag and an environment variable. Threshold names follow
 the Dynamo frontend (``DYN_*``); the service's own settings use ``EXTPROC_*``.
@@ -19,14 +19,14 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from extproc.overload import OVERLOAD_STATUS_ENV, overload_status_from_env
+from extproc.core.busy import MAX_TOKEN_THRESHOLD
+from extproc.openai.errors import OVERLOAD_STATUS_ENV, overload_status_from_env
 
 RouterMode = Literal["kv", "round-robin", "random"]
 GrpcServerKind = Literal["builtin", "grpcio"]
 GRPC_SERVERS: tuple[str, ...] = ("builtin", "grpcio")
 ROUTER_MODES = ("kv", "round-robin", "random")
 ADMISSION_CONTROL_CHOICES = ("none", "token-capacity")
-MAX_TOKEN_THRESHOLD = 2**64 - 1
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
 
@@ -288,7 +288,7 @@ class Settings(BaseSettings):
     @field_validator("worker_allow")
     @classmethod
     def _allow(cls, v: list[str]) -> list[str]:
-        from extproc.allowlist import parse_allow_entry
+        from extproc.core.allowlist import parse_allow_entry
 
         for entry in v:
             parse_allow_entry(entry)

@@ -115,7 +115,7 @@ class Stack:
     def sim_command(self, i: int, port: int) -> list[str]:
         c = self.cfg
         return [
-            PYTHON, "-m", "extproc.worker.sim",
+            PYTHON, "-m", "llmworker.sim",
             "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--worker-id", f"sim-{i}",
             "--publish", self.ext.event_endpoint,

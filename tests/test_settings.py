@@ -1,4 +1,4 @@
-"""Flags and environment variables of SPEC §2."""
+"""Flags and environment variables (docs/configuration.md)."""
 
 from __future__ import annotations
 

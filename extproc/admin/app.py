@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc.admin.auth import AdminAuth, auth_middleware
 from extproc.admin.diagnostics import workers_view
 from extproc.admin.thresholds import add_routes as add_threshold_routes
-from extproc.datastore import WorkerPool
-from extproc.metrics import Metrics
+from extproc.core.pool import WorkerPool
+from extproc.metrics.registry import Metrics
 
 
 @dataclass

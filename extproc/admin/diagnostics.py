@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.busy import DECODE, PREFILL, PREFILL_FRAC
-from extproc.datastore import Rank, Worker, WorkerPool
+from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC
+from extproc.core.pool import Rank, Worker, WorkerPool
 
 STALE_LOAD_SECONDS = 5.0  # at most; half the worker TTL when that is shorter
 

@@ -1,4 +1,4 @@
-"""``/busy_threshold``: read and change one model's busy thresholds at runtime (SPEC §7).
+"""``/busy_threshold``: read and change one model's busy thresholds at runtime (docs/admin-api.md).
 
 Validation is pure (:func:`decode_body`, :func:`parse_threshold_update`) and raises
 :class:`ThresholdUpdateError` carrying the HTTP status; the aiohttp handler only reads
@@ -30,9 +30,15 @@ from typing import Any
 
 from aiohttp import web
 
-from extproc.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, BusyThresholds
-from extproc.datastore import WorkerPool
-from extproc.settings import MAX_TOKEN_THRESHOLD
+from extproc.core.busy import (
+    DECODE,
+    MAX_TOKEN_THRESHOLD,
+    PREFILL,
+    PREFILL_FRAC,
+    THRESHOLD_NAMES,
+    BusyThresholds,
+)
+from extproc.core.pool import WorkerPool
 
 PATH = "/busy_threshold"
 ALLOW = "GET, HEAD, POST"

@@ -1,1 +1,1 @@
-"""The event plane: worker load events over ZeroMQ (SPEC §3)."""
+"""The event plane: worker load events over ZeroMQ (docs/events.md)."""

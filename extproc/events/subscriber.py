@@ -15,9 +15,9 @@ from typing import Any
 import aiozmq
 import zmq
 
-from extproc.datastore import WorkerPool
+from extproc.core.pool import WorkerPool
 from extproc.events.schema import DROP_FRAMES, EventRejected, decode
-from extproc.metrics import Metrics
+from extproc.metrics.registry import Metrics
 
 log = logging.getLogger("extproc.events")
 

@@ -1,0 +1,98 @@
+"""The busy rule (docs/routing.md): is a rank, a worker, busy under a model's thresholds?
+
+Pure functions on plain values; no I/O, no clock. Every comparison is strict
+(``>``). Products of a threshold and a capacity are computed exactly from the
+threshold's decimal value (0.29 x 100 is 29, not 28.999...), then floored:
+for whole-number loads ``load > x`` is the same as ``load > floor(x)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+DECODE = "active_decode_blocks_threshold"
+PREFILL = "active_prefill_tokens_threshold"
+PREFILL_FRAC = "active_prefill_tokens_threshold_frac"
+THRESHOLD_NAMES = (DECODE, PREFILL, PREFILL_FRAC)
+# The token threshold is an unsigned 64-bit integer, as in Dynamo.
+MAX_TOKEN_THRESHOLD = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """One model's thresholds; ``None`` = that check is off."""
+
+    active_decode_blocks: float | None = None
+    active_prefill_tokens: int | None = None
+    active_prefill_tokens_frac: float | None = None
+
+    @property
+    def any_set(self) -> bool:
+        return (
+            self.active_decode_blocks is not None
+            or self.active_prefill_tokens is not None
+            or self.active_prefill_tokens_frac is not None
+        )
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            DECODE: self.active_decode_blocks,
+            PREFILL: self.active_prefill_tokens,
+            PREFILL_FRAC: self.active_prefill_tokens_frac,
+        }
+
+
+def scaled_limit(threshold: float, capacity: int) -> int:
+    """``floor(threshold x capacity)``, exact for the threshold's shortest decimal form."""
+    return math.floor(Fraction(repr(threshold)) * capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class RankLimits:
+    """A rank's thresholds turned into whole-number limits; ``None`` = cannot fire."""
+
+    decode_blocks: int | None
+    prefill_tokens: int | None
+    prefill_tokens_frac: int | None
+
+
+def rank_limits(
+    th: BusyThresholds,
+    *,
+    kv_mode: bool,
+    kv_total_blocks: int | None,
+    max_num_batched_tokens: int | None,
+) -> RankLimits:
+    """Precompute the limits for one rank; recomputed only when an input changes."""
+    decode = None
+    if kv_mode and th.active_decode_blocks is not None and kv_total_blocks:
+        decode = scaled_limit(th.active_decode_blocks, kv_total_blocks)
+    frac = None
+    if th.active_prefill_tokens_frac is not None and max_num_batched_tokens:
+        frac = scaled_limit(th.active_prefill_tokens_frac, max_num_batched_tokens)
+    return RankLimits(decode, th.active_prefill_tokens, frac)
+
+
+def rank_busy_reason(
+    limits: RankLimits, decode_blocks: int | None, prefill_tokens: int | None
+) -> str | None:
+    """The first check that fires for this rank's effective load, or None (free)."""
+    if (
+        limits.decode_blocks is not None
+        and decode_blocks is not None
+        and decode_blocks > limits.decode_blocks
+    ):
+        return DECODE
+    if prefill_tokens is not None:
+        if limits.prefill_tokens is not None and prefill_tokens > limits.prefill_tokens:
+            return PREFILL
+        if limits.prefill_tokens_frac is not None and prefill_tokens > limits.prefill_tokens_frac:
+            return PREFILL_FRAC
+    return None
+
+
+def worker_busy(rank_reasons: list[str | None]) -> bool:
+    """Busy only if every rank that has load data is busy; no data at all = free."""
+    return bool(rank_reasons) and None not in rank_reasons

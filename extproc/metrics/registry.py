@@ -1,0 +1,182 @@
+"""Prometheus series of the service (docs/admin-api.md), names and labels as Dynamo's.
+
+Counters and histograms are updated where things happen. Per-worker gauges
+are produced at scrape time from the pool by :class:`PoolCollector`, so a
+worker that leaves takes its series with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from extproc.core.pool import WorkerPool
+
+DECISION_OUTCOMES = (
+    "routed",
+    "overloaded",
+    "no_workers",
+    "model_not_found",
+    "bad_request",
+    "passthrough",
+    "queue_timeout",
+)
+EVENT_TOPICS = ("config", "load", "bye")
+GRPC_CLOSE_REASONS = ("protocol_error", "keepalive_timeout")
+
+disable_created_metrics()
+
+
+class _Children(dict[str, Any]):
+    """Label children created on first use, so a labelled series appears with its labels."""
+
+    def __init__(self, metric: Counter) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key: str) -> Any:
+        child = self[key] = self.metric.labels(key)
+        return child
+
+
+class Metrics:
+    """All series on one registry (one per service instance, so tests stay apart)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rejections = Counter(
+            "dynamo_frontend_model_rejection",
+            "Requests rejected because every worker of the model was busy.",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "extproc_decisions", "Routing decisions by outcome.", ["outcome"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "extproc_decision_seconds",
+            "Time to decide one request (parse body, check busy, pick).",
+            buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=r,
+        )
+        self.events = Counter(
+            "extproc_events", "Well-formed worker events received, by topic.", ["topic"], registry=r
+        )
+        self.events_dropped = Counter(
+            "extproc_events_dropped", "Worker events dropped, by reason.", ["reason"], registry=r
+        )
+        self.events_lost = Counter(
+            "extproc_events_lost", "Load events lost (gaps in per-worker seq).", registry=r
+        )
+        self.event_seconds = Counter(
+            "extproc_event_seconds",
+            "Time the event loop spent reading and applying worker events. Its rate is the "
+            "share of the loop they take; near 1 with the requests' share, events queue up.",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "extproc_router_queue_wait_seconds",
+            "Time requests waited in the router queue.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.streams = Gauge(
+            "extproc_streams",
+            "Open ext_proc streams: one per HTTP request in Envoy's ext_proc filter "
+            "(two with the output observer).",
+            registry=r,
+        )
+        self.outcome = _Children(self.decisions)
+        self.topic = _Children(self.events)
+        self.dropped = _Children(self.events_dropped)
+
+    def attach(
+        self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]] | None = None
+    ) -> None:
+        self.registry.register(PoolCollector(pool, queue_depth or dict))
+
+    def watch_grpc(
+        self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Series of the builtin ext_proc server: open connections, connections it closed."""
+        self.registry.register(GrpcCollector(connections, closed))
+
+
+class GrpcCollector(Collector):
+    """Scrape-time series of the builtin ext_proc server."""
+
+    def __init__(
+        self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self.connections = connections
+        self.closed = closed
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(
+            "extproc_grpc_connections",
+            "Open ext_proc (HTTP/2) connections from Envoy.",
+            value=self.connections(),
+        )
+        closed = CounterMetricFamily(
+            "extproc_grpc_connections_closed",
+            "ext_proc connections the extproc closed on an error, by reason.",
+            labels=["reason"],
+        )
+        counts = self.closed()
+        for reason in GRPC_CLOSE_REASONS:
+            closed.add_metric([reason], counts.get(reason, 0))
+        yield closed
+
+
+class PoolCollector(Collector):
+    """Scrape-time gauges read from the pool."""
+
+    def __init__(self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]]) -> None:
+        self.pool = pool
+        self.queue_depth = queue_depth
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker_id", "dp_rank", "worker_type"]
+        blocks = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_decode_blocks",
+            "Effective active KV blocks per worker rank (max of reported and router estimate).",
+            labels=labels,
+        )
+        prefill = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_prefill_tokens",
+            "Effective active prefill tokens per worker rank.",
+            labels=labels,
+        )
+        for worker, rank in self.pool.inflight():
+            lv = [worker.worker_id, str(rank.index), worker.worker_type]
+            b, p = rank.decode_blocks, rank.prefill_tokens
+            if b is not None:
+                blocks.add_metric(lv, b)
+            if p is not None:
+                prefill.add_metric(lv, p)
+        yield blocks
+        yield prefill
+        states = GaugeMetricFamily(
+            "extproc_workers", "Routable workers by state.", labels=["state"]
+        )
+        for state, n in self.pool.counts().items():
+            states.add_metric([state], n)
+        yield states
+        depth = GaugeMetricFamily(
+            "extproc_router_queue_depth", "Requests waiting in the router queue.", labels=["model"]
+        )
+        for model, n in self.queue_depth().items():
+            depth.add_metric([model], n)
+        yield depth

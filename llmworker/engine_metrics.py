@@ -1,0 +1,341 @@
+"""Read an engine's Prometheus ``/metrics`` text into a typed :class:`EngineSnapshot`.
+
+Two steps, both free of I/O so they are tested with plain strings:
+
+- :func:`parse_text` checks the Prometheus text exposition format line by line
+  and returns the samples by metric name. Anything that is not a comment, a
+  blank line or a well-formed sample raises :class:`MetricsParseError` naming
+  the line number, the line and what was expected.
+- :func:`parse_vllm` / :func:`parse_sglang` (or :func:`parse_engine_metrics`)
+  pick the series the sidecar agent needs and group them per data-parallel
+  rank: vLLM labels ranks ``engine="0"``, ``"1"``, ...; SGLang with DP attention
+  labels them ``dp_rank``. A series without a rank label belongs to rank 0.
+  Several series of one rank (SGLang prints one per TP/PP rank) are combined
+  by taking the largest value. Counts that are negative, a KV usage outside
+  0-1, or text without the engine's core gauges also raise
+  :class:`MetricsParseError`. ``NaN`` reads as "not reported".
+
+Which series feed which field is listed in the module docstring of
+:mod:`llmworker.agent`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Engine = Literal["vllm", "sglang"]
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
+
+
+class MetricsParseError(ValueError):
+    """The metrics text is malformed or lacks what the engine should print."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sample line: metric name, labels and value."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """What one data-parallel rank of the engine reports; None = not reported."""
+
+    rank: int  # as the engine labels it (vLLM ``engine``, SGLang ``dp_rank``)
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None  # fraction of KV cache in use, 0-1
+    kv_used_tokens: int | None = None  # SGLang ``num_used_tokens``
+    kv_total_blocks: int | None = None  # vLLM ``cache_config_info{num_gpu_blocks}``
+    kv_total_tokens: int | None = None  # SGLang ``max_total_num_tokens``
+    block_size: int | None = None  # tokens per KV block (page) as the engine reports it
+    prefill_tokens: int | None = None  # a direct "tokens waiting for prefill" gauge
+    avg_prompt_tokens: float | None = None  # mean prompt length of finished requests
+    num_preemptions: int | None = None  # cumulative preemptions / retractions
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """One scrape of one engine, per rank in ascending rank order."""
+
+    engine: Engine
+    ranks: tuple[RankStats, ...]
+    max_num_batched_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------
+# Prometheus text exposition format
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL_NAME = r"[a-zA-Z_][a-zA-Z0-9_]*"
+_LABEL_VALUE = r'"(?:[^"\\\n]|\\.)*"'
+_LABEL = rf"[ \t]*{_LABEL_NAME}[ \t]*=[ \t]*{_LABEL_VALUE}[ \t]*"
+_NUMBER = r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[iI]nf|NaN|nan)"
+_SAMPLE = re.compile(
+    rf"({_NAME})[ \t]*(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?[ \t]*)\}})?"
+    rf"[ \t]+({_NUMBER})(?:[ \t]+-?\d+)?[ \t]*"
+)
+_LABEL_PAIR = re.compile(rf"[ \t]*({_LABEL_NAME})[ \t]*=[ \t]*\"((?:[^\"\\\n]|\\.)*)\"")
+_NAME_ONLY = re.compile(_NAME)
+_NUMBER_ONLY = re.compile(_NUMBER)
+_ESCAPE = re.compile(r"\\(.)")
+_ESCAPES = {"n": "\n", "\\": "\\", '"': '"'}
+
+
+def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
+    return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), "\\" + m.group(1)), value)
+
+
+def _diagnose(line: str) -> str:
+    """What is wrong with a line that is not a valid sample."""
+    name = _NAME_ONLY.match(line)
+    if name is None:
+        return "expected a metric name ([a-zA-Z_:][a-zA-Z0-9_:]*) at the start"
+    rest = line[name.end() :].lstrip(" \t")
+    if rest.startswith("{"):
+        close = _label_set_end(rest)
+        if close is None:
+            return "the label set is not closed with '}' (or a label value has no closing quote)"
+        labels = rest[1:close]
+        if not re.fullmatch(rf"(?:{_LABEL}(?:,{_LABEL})*,?)?[ \t]*", labels):
+            return f'expected labels as name="value" pairs separated by commas, got {{{labels}}}'
+        rest = rest[close + 1 :]
+    fields = rest.split()
+    if not fields:
+        return "expected a value after the metric name"
+    if not _NUMBER_ONLY.fullmatch(fields[0]):
+        return f"expected a number (or NaN, +Inf, -Inf) as the value, got {fields[0]!r}"
+    if len(fields) > 2 or (len(fields) == 2 and not re.fullmatch(r"-?\d+", fields[1])):
+        return (
+            f"expected at most an integer timestamp after the value, got {' '.join(fields[1:])!r}"
+        )
+    return 'expected: name{label="value",...} value [timestamp]'
+
+
+def _label_set_end(text: str) -> int | None:
+    """Index of the ``}`` closing the label set that ``text`` starts with."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quoted:
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i
+    return None
+
+
+def parse_text(text: str) -> dict[str, list[Sample]]:
+    """Samples by metric name; MetricsParseError names the first bad line."""
+    samples: dict[str, list[Sample]] = {}
+    for number, raw in enumerate(text.split("\n"), start=1):
+        line = raw.rstrip("\r")
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("#"):
+            if stripped == "# EOF":  # OpenMetrics end marker
+                break
+            continue
+        match = _SAMPLE.fullmatch(stripped)
+        if match is None:
+            shown = stripped if len(stripped) <= 200 else stripped[:200] + "..."
+            raise MetricsParseError(f"line {number}: {_diagnose(stripped)}: {shown!r}")
+        name, label_text, value_text = match.groups()
+        labels = {k: _unescape(v) for k, v in _LABEL_PAIR.findall(label_text)} if label_text else {}
+        samples.setdefault(name, []).append(Sample(name, labels, float(value_text)))
+    return samples
+
+
+# ---------------------------------------------------------------------------
+# Engine-specific views
+
+
+def _rank_of(sample: Sample, label: str) -> int:
+    raw = sample.labels.get(label)
+    if raw is None:
+        return 0
+    if not raw.isdigit():
+        raise MetricsParseError(f"{sample.name}: rank label {label}={raw!r} is not an integer")
+    return int(raw)
+
+
+def _per_rank(samples: Iterable[Sample], label: str) -> dict[int, float]:
+    """Largest non-NaN value per rank."""
+    out: dict[int, float] = {}
+    for s in samples:
+        if math.isnan(s.value):
+            continue
+        rank = _rank_of(s, label)
+        out[rank] = max(out.get(rank, s.value), s.value)
+    return out
+
+
+def _count(name: str, value: float | None) -> int | None:
+    if value is None:
+        return None
+    if value < 0 or math.isinf(value):
+        raise MetricsParseError(f"{name} = {value!r}: expected a finite count >= 0")
+    return round(value)
+
+
+def _fraction(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if not 0.0 <= value <= 1.0:
+        raise MetricsParseError(f"{name} = {value!r}: expected a fraction in 0-1")
+    return value
+
+
+def _label_int(sample: Sample, label: str) -> int | None:
+    """An integer label value; None when absent or ``None`` (engine not initialised)."""
+    raw = sample.labels.get(label)
+    if raw is None or raw in ("None", ""):
+        return None
+    if not raw.isdigit():
+        raise MetricsParseError(f"{sample.name}: label {label}={raw!r} is not an integer >= 0")
+    return int(raw)
+
+
+def _total(samples: Mapping[str, list[Sample]], name: str) -> float | None:
+    """Sum of a metric's non-NaN samples over all labels, None if absent."""
+    values = [s.value for s in samples.get(name, ()) if not math.isnan(s.value)]
+    return sum(values) if values else None
+
+
+def _per_rank_sum(samples: Iterable[Sample], label: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for s in samples:
+        if not math.isnan(s.value):
+            rank = _rank_of(s, label)
+            out[rank] = out.get(rank, 0.0) + s.value
+    return out
+
+
+def _mean(total: float | None, count: float | None) -> float | None:
+    if total is None or count is None or count <= 0:
+        return None
+    return total / count
+
+
+def parse_vllm(text: str) -> EngineSnapshot:
+    """Snapshot of a vLLM server's ``/metrics`` (V1 engine; V0 names accepted)."""
+    samples = parse_text(text)
+    label = "engine"
+    usage_name = "vllm:kv_cache_usage_perc"
+    if usage_name not in samples:
+        usage_name = "vllm:gpu_cache_usage_perc"  # vLLM < 0.9, deprecated later
+    if usage_name not in samples:
+        raise MetricsParseError(
+            "no vllm:kv_cache_usage_perc (or vllm:gpu_cache_usage_perc) series: "
+            "is this a vLLM /metrics page (--engine vllm)?"
+        )
+    usage = _per_rank(samples[usage_name], label)
+    running = _per_rank(samples.get("vllm:num_requests_running", ()), label)
+    waiting = _per_rank(samples.get("vllm:num_requests_waiting", ()), label)
+    preempted = _per_rank(samples.get("vllm:num_preemptions_total", ()), label)
+    blocks: dict[int, int] = {}
+    block_size: dict[int, int] = {}
+    for s in samples.get("vllm:cache_config_info", ()):
+        rank = _rank_of(s, label)
+        if (n := _label_int(s, "num_gpu_blocks")) is not None:
+            blocks[rank] = n
+        if (b := _label_int(s, "block_size")) is not None and b > 0:
+            block_size[rank] = b
+    # Mean prompt length: the per-request histogram, else prompt tokens per finished request.
+    hist_sum = _per_rank_sum(samples.get("vllm:request_prompt_tokens_sum", ()), label)
+    hist_count = _per_rank_sum(samples.get("vllm:request_prompt_tokens_count", ()), label)
+    prompt_total = _per_rank_sum(samples.get("vllm:prompt_tokens_total", ()), label)
+    finished = _per_rank_sum(samples.get("vllm:request_success_total", ()), label)
+    max_batched: int | None = None
+    for s in samples.get("vllm:vllm_config_info", ()):
+        max_batched = _label_int(s, "scheduler_config_max_num_batched_tokens") or max_batched
+    ranks = sorted(set(usage) | set(running) | set(waiting) | set(blocks))
+    return EngineSnapshot(
+        engine="vllm",
+        ranks=tuple(
+            RankStats(
+                rank=r,
+                num_running=_count("vllm:num_requests_running", running.get(r)),
+                num_waiting=_count("vllm:num_requests_waiting", waiting.get(r)),
+                kv_usage=_fraction(usage_name, usage.get(r)),
+                kv_total_blocks=blocks.get(r),
+                block_size=block_size.get(r),
+                avg_prompt_tokens=_mean(hist_sum.get(r), hist_count.get(r))
+                or _mean(prompt_total.get(r), finished.get(r)),
+                num_preemptions=_count("vllm:num_preemptions_total", preempted.get(r)),
+            )
+            for r in ranks
+        ),
+        max_num_batched_tokens=max_batched,
+    )
+
+
+def parse_sglang(text: str) -> EngineSnapshot:
+    """Snapshot of an SGLang server's ``/metrics`` (started with ``--enable-metrics``)."""
+    samples = parse_text(text)
+    label = "dp_rank"
+    if "sglang:num_used_tokens" not in samples and "sglang:token_usage" not in samples:
+        raise MetricsParseError(
+            "no sglang:num_used_tokens or sglang:token_usage series: is this an SGLang "
+            "/metrics page (--engine sglang) and was SGLang started with --enable-metrics?"
+        )
+
+    def gauge(name: str) -> dict[int, float]:
+        return _per_rank(samples.get(name, ()), label)
+
+    used = gauge("sglang:num_used_tokens")
+    usage = gauge("sglang:token_usage")
+    total = gauge("sglang:max_total_num_tokens")
+    running = gauge("sglang:num_running_reqs")
+    queued = gauge("sglang:num_queue_reqs")
+    page = gauge("sglang:page_size")
+    prefill = gauge("sglang:num_prefill_tokens")
+    retracted = _per_rank_sum(samples.get("sglang:num_retracted_requests_total", ()), label)
+    # Tokenizer-side counters are not per rank: one mean for every rank.
+    mean_prompt = _mean(
+        _total(samples, "sglang:prompt_tokens_histogram_sum"),
+        _total(samples, "sglang:prompt_tokens_histogram_count"),
+    ) or _mean(
+        _total(samples, "sglang:prompt_tokens_total"),
+        _total(samples, "sglang:num_requests_total"),
+    )
+    ranks = sorted(set(used) | set(usage) | set(running) | set(queued) | set(total))
+    return EngineSnapshot(
+        engine="sglang",
+        ranks=tuple(
+            RankStats(
+                rank=r,
+                num_running=_count("sglang:num_running_reqs", running.get(r)),
+                num_waiting=_count("sglang:num_queue_reqs", queued.get(r)),
+                kv_usage=_fraction("sglang:token_usage", usage.get(r)),
+                kv_used_tokens=_count("sglang:num_used_tokens", used.get(r)),
+                kv_total_tokens=_count("sglang:max_total_num_tokens", total.get(r)) or None,
+                block_size=_count("sglang:page_size", page.get(r)) or None,
+                prefill_tokens=_count("sglang:num_prefill_tokens", prefill.get(r)),
+                avg_prompt_tokens=mean_prompt,
+                num_preemptions=_count("sglang:num_retracted_requests_total", retracted.get(r)),
+            )
+            for r in ranks
+        ),
+    )
+
+
+def parse_engine_metrics(engine: Engine, text: str) -> EngineSnapshot:
+    """Snapshot of ``engine``'s metrics text; MetricsParseError if malformed."""
+    if engine == "vllm":
+        return parse_vllm(text)
+    if engine == "sglang":
+        return parse_sglang(text)
+    raise ValueError(f"unknown engine {engine!r}, expected one of {', '.join(ENGINES)}")
