@@ -8,7 +8,6 @@ import logging
 import signal
 import socket
 
-import grpc
 from aiohttp import web
 
 from extproc.admin.app import Readiness, build_app
@@ -23,47 +22,18 @@ from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
 from extproc.openai.request import PromptTokenizer
 from extproc.settings import Settings, all_startup_warnings
+from extproc.transport.grpcio import GrpcioServer
 from extproc.transport.h2server import GrpcServer
 
 log = logging.getLogger("extproc")
 
-# Envoy pings its HTTP/2 upstreams (connection_keepalive); grpc-python's defaults
-# answer frequent pings on idle connections with GOAWAY "too_many_pings".
-GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_concurrent_streams", 100_000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.so_reuseport", 0),
-]
 
+class StartupError(Exception):
+    """A part could not start; the service exits with ``code`` after logging the message."""
 
-class _GrpcioServer:
-    """grpcio's asyncio server behind the same start/stop shape as the builtin one."""
-
-    def __init__(self, handler: ExtProcHandler) -> None:
-        self.server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-        self.server.add_generic_rpc_handlers((handler.generic_handler(),))
-
-    async def start(self, host: str, port: int) -> None:
-        self.server.add_insecure_port(f"{host}:{port}")
-        await self.server.start()
-
-    async def stop(self, grace: float) -> None:
-        await self.server.stop(grace=grace)
-
-
-async def _start_grpc(settings: Settings, handler: ExtProcHandler) -> GrpcServer | _GrpcioServer:
-    server: GrpcServer | _GrpcioServer
-    if settings.grpc_server == "grpcio":
-        server = _GrpcioServer(handler)
-    else:
-        server = GrpcServer(PROCESS_PATH, handler.open_session)
-    await server.start(settings.grpc_host, settings.grpc_port)
-    return server
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _hold_port(host: str, port: int) -> list[socket.socket]:
@@ -124,7 +94,17 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    try:
+        async with contextlib.AsyncExitStack() as parts:
+            await _run(settings, stop, parts)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return exc.code
+    return 0
 
+
+async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncExitStack) -> None:
+    """Start every part (each registers its own stop on ``parts``), then wait for ``stop``."""
     pool = build_pool(settings)
     queue = (
         RouterQueue(settings.router_queue_timeout)
@@ -140,35 +120,26 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
     runner = web.AppRunner(build_app(pool, metrics, readiness, auth), access_log=None)
     await runner.setup()
+    parts.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, settings.admin_host, settings.admin_port)
     try:
         await site.start()
     except OSError as exc:
-        log.error(
-            "cannot listen for the admin API on %s:%s: %s",
-            settings.admin_host,
-            settings.admin_port,
-            exc,
-        )
-        await runner.cleanup()
-        return 1
+        admin = f"{settings.admin_host}:{settings.admin_port}"
+        raise StartupError(1, f"cannot listen for the admin API on {admin}: {exc}") from None
 
     subscriber = EventSubscriber(pool, metrics)
     try:
         await subscriber.start(settings.event_bind, settings.event_connect)
     except EventBindError as exc:
-        log.error("%s", exc)
-        await runner.cleanup()
-        return 1
+        raise StartupError(1, str(exc)) from None
+    parts.callback(subscriber.close)
     readiness.events_bound = True
 
     try:
         tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
     except ValueError as exc:
-        log.error("%s", exc)
-        subscriber.close()
-        await runner.cleanup()
-        return 2
+        raise StartupError(2, str(exc)) from None
     handler = ExtProcHandler(
         pool,
         Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
@@ -187,10 +158,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         try:
             held = _hold_port(settings.grpc_host, settings.grpc_port)
         except OSError as exc:
-            log.error("cannot listen for ext_proc gRPC on %s: %s", address, exc)
-            subscriber.close()
-            await runner.cleanup()
-            return 1
+            raise StartupError(1, f"cannot listen for ext_proc gRPC on {address}: {exc}") from None
         log.info("listening for worker events for %.1fs before serving ext_proc",
                  settings.startup_grace)  # fmt: skip
         try:
@@ -200,22 +168,25 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             for sock in held:
                 sock.close()
         if stop.is_set():
-            subscriber.close()
-            await runner.cleanup()
-            return 0
+            return
         log.info("%d worker(s) known after the startup grace", len(pool.workers))
+    server: GrpcServer | GrpcioServer
+    if settings.grpc_server == "grpcio":
+        server = GrpcioServer(PROCESS_PATH, handler.open_session)
+    else:
+        server = GrpcServer(PROCESS_PATH, handler.open_session)
     try:
-        server = await _start_grpc(settings, handler)
+        await server.start(settings.grpc_host, settings.grpc_port)
     except (OSError, RuntimeError) as exc:
-        log.error("cannot listen for ext_proc gRPC on %s: %s", address, exc)
-        subscriber.close()
-        await runner.cleanup()
-        return 1
+        raise StartupError(1, f"cannot listen for ext_proc gRPC on {address}: {exc}") from None
+    parts.push_async_callback(server.stop, 2.0)
     if isinstance(server, GrpcServer):
         grpc_server = server
         metrics.watch_grpc(lambda: len(grpc_server.connections), lambda: grpc_server.closed_for)
     readiness.grpc_serving = True
+    parts.callback(setattr, readiness, "grpc_serving", False)
     sweeper = asyncio.create_task(_sweep(pool, min(0.5, settings.worker_ttl / 10)))
+    parts.callback(sweeper.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
         "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s",
@@ -232,9 +203,3 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     )
     await stop.wait()
     log.info("shutting down")
-    readiness.grpc_serving = False
-    sweeper.cancel()
-    await server.stop(grace=2.0)
-    subscriber.close()
-    await runner.cleanup()
-    return 0

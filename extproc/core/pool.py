@@ -1,9 +1,10 @@
 """What is known about workers: config, per-rank load, router estimates, thresholds.
 
-One :class:`WorkerPool` holds it all. The event subscriber writes reported
-load, the request path writes router estimates (dispatch / first token /
-release), the admin API writes thresholds. After every write the touched
-worker's busy flag is recomputed, so a routing decision only reads flags.
+One :class:`WorkerPool` holds it all. The event plane tells it what workers announce
+(:meth:`~WorkerPool.announce`, :meth:`~WorkerPool.report_load`, :meth:`~WorkerPool.leave`),
+the request path records router estimates (dispatch / first token / release), the admin
+API sets thresholds. After every write the touched worker's busy flag is recomputed, so a
+routing decision only reads flags. Plain values only: no I/O, no wire structs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import (
@@ -21,19 +23,23 @@ from extproc.core.busy import (
     scaled_limit,
     worker_busy,
 )
-from extproc.events.schema import (
-    DROP_NOT_ALLOWED,
-    DROP_SCHEMA,
-    ByeEvent,
-    ConfigEvent,
-    Event,
-    EventRejected,
-    LoadEvent,
-)
 
 DEFAULT_BLOCK_SIZE = 16
 OVERLOAD_MARK_SECONDS = 1.0
 _NO_LIMITS = RankLimits(None, None, None)
+WorkerType = Literal["decode", "prefill"]
+
+
+class PoolError(ValueError):
+    """An announcement the pool refuses; nothing was changed."""
+
+
+class EndpointNotAllowed(PoolError):
+    """The announced endpoint is outside ``--worker-allow``."""
+
+
+class RankOutOfRange(PoolError):
+    """A load report for a rank the worker's ``dp_size`` does not have."""
 
 
 class Rank:
@@ -131,9 +137,6 @@ class Worker:
             rank.reported_kv_total if rank.reported_kv_total is not None else self.kv_total_blocks
         )
 
-    def overloaded(self, now: float) -> bool:
-        return now < self.overloaded_until
-
     def state(self, now: float) -> str:
         """``overloaded`` (mark) else ``busy`` else ``free``: disjoint, for /health."""
         if now < self.overloaded_until:
@@ -185,14 +188,10 @@ class WorkerPool:
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
         self.queue_threshold = queue_threshold
-        self.on_change: list[Callable[[], None]] = []
         # Called with a model when its router-tracked prefill may have dropped.
         self.on_capacity: Callable[[str], None] | None = None
 
     # ----- reading -----------------------------------------------------------------
-
-    def eligible(self, model: str) -> list[Worker] | None:
-        return self.by_model.get(model)
 
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.thresholds.get(model, self.defaults)
@@ -221,79 +220,94 @@ class WorkerPool:
         inflight = sum(r.inflight for w in self.by_model.get(model, ()) for r in w.ranks)
         return max(1, min(60, round(mean / max(1, inflight))))
 
-    # ----- events ------------------------------------------------------------------
+    # ----- what workers announce ------------------------------------------------------
 
-    def apply(self, event: Event) -> None:
-        """Apply one validated event; raise EventRejected to drop it unapplied."""
-        if type(event) is LoadEvent:
-            self._apply_load(event)
-        elif type(event) is ConfigEvent:
-            self._apply_config(event)
-        else:
-            assert type(event) is ByeEvent
-            self.remove(event.worker_id)
+    def announce(
+        self,
+        worker_id: str,
+        *,
+        model: str,
+        endpoint: str,
+        kv_total_blocks: int | None = None,
+        block_size: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        dp_size: int | None = None,
+        worker_type: WorkerType | None = None,
+    ) -> None:
+        """A worker's registration or heartbeat; a later one replaces the earlier one.
 
-    def _apply_config(self, ev: ConfigEvent) -> None:
-        if not self.allow.allows(ev.endpoint):
-            raise EventRejected(DROP_NOT_ALLOWED, f"endpoint {ev.endpoint} not in --worker-allow")
+        Raises :class:`EndpointNotAllowed` (nothing changed) for an endpoint outside the
+        allow-list. A changed model or endpoint moves the worker: it serves the new model at
+        the new endpoint from now on (docs/events.md, "identity").
+        """
+        if not self.allow.allows(endpoint):
+            raise EndpointNotAllowed(f"endpoint {endpoint} not in --worker-allow")
         now = self.clock()
-        worker = self.workers.get(ev.worker_id)
+        worker = self.workers.get(worker_id)
         if worker is None:
-            worker = self.workers[ev.worker_id] = Worker(ev.worker_id, now)
+            worker = self.workers[worker_id] = Worker(worker_id, now)
         worker.last_seen = now
-        if worker.configured and (worker.model != ev.model or worker.endpoint != ev.endpoint):
+        if worker.configured and worker.model != model:
             self._unlink(worker)
-        dp_size = ev.dp_size or 1
-        if dp_size != len(worker.ranks):
-            ranks = worker.ranks[:dp_size]
-            ranks.extend(Rank(i) for i in range(len(ranks), dp_size))
+        size = dp_size or 1
+        if size != len(worker.ranks):
+            ranks = worker.ranks[:size]
+            ranks.extend(Rank(i) for i in range(len(ranks), size))
             worker.ranks = ranks
-        worker.endpoint = ev.endpoint
-        worker.kv_total_blocks = ev.kv_total_blocks
-        worker.block_size = ev.block_size or DEFAULT_BLOCK_SIZE
-        worker.max_num_batched_tokens = ev.max_num_batched_tokens
-        worker.dp_size = dp_size
-        worker.worker_type = ev.worker_type or "decode"
+        worker.endpoint = endpoint
+        worker.kv_total_blocks = kv_total_blocks
+        worker.block_size = block_size or DEFAULT_BLOCK_SIZE
+        worker.max_num_batched_tokens = max_num_batched_tokens
+        worker.dp_size = size
+        worker.worker_type = worker_type or "decode"
         worker.queue_limit = (
-            scaled_limit(self.queue_threshold, ev.max_num_batched_tokens)
-            if self.queue_threshold is not None and ev.max_num_batched_tokens
+            scaled_limit(self.queue_threshold, max_num_batched_tokens)
+            if self.queue_threshold is not None and max_num_batched_tokens
             else None
         )
-        if not worker.configured or worker.model != ev.model:
-            worker.model = ev.model
-            worker.configured = True
-            if ev.model not in self.thresholds:
-                self.thresholds[ev.model] = self.defaults
-            group = self.by_model.setdefault(ev.model, [])
-            if worker not in group:
-                group.append(worker)
+        worker.model = model
+        worker.configured = True
+        if model not in self.thresholds:
+            self.thresholds[model] = self.defaults
+        group = self.by_model.setdefault(model, [])
+        if worker not in group:
+            group.append(worker)
         self._recompute_limits(worker)
-        self._changed()
         if self.on_capacity is not None:
-            self.on_capacity(worker.model)
+            self.on_capacity(model)
 
-    def _apply_load(self, ev: LoadEvent) -> None:
+    def report_load(
+        self,
+        worker_id: str,
+        *,
+        dp_rank: int = 0,
+        active_decode_blocks: int | None = None,
+        active_prefill_tokens: int | None = None,
+        kv_total_blocks: int | None = None,
+        seq: int | None = None,
+    ) -> None:
+        """One rank's ActiveLoad. Raises :class:`RankOutOfRange` (nothing changed) for a
+        rank at or above the announced ``dp_size``; before any announcement it is kept."""
         now = self.clock()
-        worker = self.workers.get(ev.worker_id)
+        worker = self.workers.get(worker_id)
         if worker is None:
-            worker = self.workers[ev.worker_id] = Worker(ev.worker_id, now)
-        index = ev.dp_rank or 0
-        if index >= len(worker.ranks):
+            worker = self.workers[worker_id] = Worker(worker_id, now)
+        if dp_rank >= len(worker.ranks):
             if worker.configured:
-                raise EventRejected(
-                    DROP_SCHEMA, f"dp_rank {index} >= dp_size {worker.dp_size} of {ev.worker_id}"
+                raise RankOutOfRange(
+                    f"dp_rank {dp_rank} >= dp_size {worker.dp_size} of {worker_id}"
                 )
-            worker.ranks.extend(Rank(i) for i in range(len(worker.ranks), index + 1))
-        if ev.seq is not None:
+            worker.ranks.extend(Rank(i) for i in range(len(worker.ranks), dp_rank + 1))
+        if seq is not None:
             last = worker.last_seq
-            if last is not None and ev.seq > last + 1:
-                self.events_lost += ev.seq - last - 1
-            worker.last_seq = ev.seq
-        rank = worker.ranks[index]
-        rank.reported_blocks = ev.active_decode_blocks
-        rank.reported_prefill = ev.active_prefill_tokens
-        kv_changed = rank.reported_kv_total != ev.kv_total_blocks
-        rank.reported_kv_total = ev.kv_total_blocks
+            if last is not None and seq > last + 1:
+                self.events_lost += seq - last - 1
+            worker.last_seq = seq
+        rank = worker.ranks[dp_rank]
+        rank.reported_blocks = active_decode_blocks
+        rank.reported_prefill = active_prefill_tokens
+        kv_changed = rank.reported_kv_total != kv_total_blocks
+        rank.reported_kv_total = kv_total_blocks
         rank.reported_at = now
         worker.last_seen = now
         worker.last_load_at = now
@@ -302,13 +316,13 @@ class WorkerPool:
             rank.limits = self._limits(worker, rank)
         self._refresh_rank(worker, rank)
 
-    def remove(self, worker_id: str) -> bool:
+    def leave(self, worker_id: str) -> bool:
+        """The worker is gone (``bye`` or TTL); False if it was not known."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return False
         if worker.configured:
             self._unlink(worker)
-        self._changed()
         return True
 
     def expire(self) -> list[str]:
@@ -316,7 +330,7 @@ class WorkerPool:
         cutoff = self.clock() - self.worker_ttl
         gone = [wid for wid, w in self.workers.items() if w.last_seen < cutoff]
         for wid in gone:
-            self.remove(wid)
+            self.leave(wid)
         return gone
 
     def _unlink(self, worker: Worker) -> None:
@@ -363,10 +377,6 @@ class WorkerPool:
     @staticmethod
     def _refresh_worker(worker: Worker) -> None:
         worker.busy = worker_busy([r.busy_reason for r in worker.ranks if r.has_data])
-
-    def _changed(self) -> None:
-        for callback in self.on_change:
-            callback()
 
     # ----- router estimates ----------------------------------------------------------
 

@@ -42,10 +42,6 @@ class RouterQueue:
         if q:
             q[0].set()
 
-    def notify_all(self) -> None:
-        for q in self._queues.values():
-            q[0].set()
-
     async def wait(self, model: str, attempt: Callable[[], T | None]) -> T | None:
         """Join the queue; at its head, call ``attempt`` until it returns a result.
 

@@ -21,7 +21,6 @@ from extproc.admin.thresholds import (
 )
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, BusyThresholds
 from extproc.core.pool import WorkerPool
-from extproc.events.schema import ByeEvent, ConfigEvent
 from tests.support.stack import Extproc, Publisher, get_json, http, wait_until
 
 MAX = 2**64 - 1
@@ -204,7 +203,7 @@ def test_apply_sets_and_disables_and_keeps_the_rest() -> None:
 
 def _pool() -> WorkerPool:
     pool = WorkerPool(BusyThresholds(None, 7, None))
-    pool.apply(ConfigEvent(worker_id="w1", model="served", endpoint="127.0.0.1:1"))
+    pool.announce("w1", model="served", endpoint="127.0.0.1:1")
     return pool
 
 
@@ -225,7 +224,7 @@ def test_apply_update_404_only_for_changes_to_unserved_models() -> None:
 def test_apply_update_kept_after_the_model_leaves() -> None:
     pool = _pool()
     apply_update(pool, parse_threshold_update({"model": "served", DECODE: 0.3}))
-    pool.apply(ByeEvent(worker_id="w1"))
+    pool.leave("w1")
     assert apply_update(pool, parse_threshold_update({"model": "served"})) == BusyThresholds(
         0.3, 7, None
     )

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import WorkerPool
-from extproc.core.scheduling import Outcome, Scheduler
-from extproc.events.schema import ByeEvent, ConfigEvent, EventRejected, LoadEvent
+from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
+from extproc.core.scheduling import Outcome, Routed, Scheduler
 
 
 class Clock:
@@ -29,49 +29,52 @@ def make_pool(th: BusyThresholds = DEFAULT, **kw: object) -> tuple[WorkerPool, C
     return WorkerPool(th, clock=clock, **kw), clock  # type: ignore[arg-type]
 
 
-def cfg(wid: str, model: str = "m", port: int = 8000, **kw: object) -> ConfigEvent:
-    return ConfigEvent(worker_id=wid, model=model, endpoint=f"127.0.0.1:{port}", **kw)  # type: ignore[arg-type]
+def picked(sched: Scheduler, model: str = "m") -> str:
+    """The worker a decision routes to (the request is dispatched)."""
+    decision = sched.decide(model, 0)
+    assert isinstance(decision, Routed), decision
+    return decision.ticket.worker.worker_id
 
 
-def load(wid: str, **kw: object) -> LoadEvent:
-    return LoadEvent(worker_id=wid, **kw)  # type: ignore[arg-type]
+def announce(pool: WorkerPool, wid: str, model: str = "m", port: int = 8000, **kw: Any) -> None:
+    pool.announce(wid, model=model, endpoint=f"127.0.0.1:{port}", **kw)
 
 
 def test_config_registers_and_load_marks_busy() -> None:
     pool, _ = make_pool()
-    pool.apply(cfg("w", kv_total_blocks=100))
+    announce(pool, "w", kv_total_blocks=100)
     assert [w.worker_id for w in pool.by_model["m"]] == ["w"]
-    pool.apply(load("w", active_decode_blocks=51))
+    pool.report_load("w", active_decode_blocks=51)
     assert pool.workers["w"].busy
-    pool.apply(load("w", active_decode_blocks=50))
+    pool.report_load("w", active_decode_blocks=50)
     assert not pool.workers["w"].busy
 
 
 def test_load_before_config_is_kept_but_not_routable() -> None:
     pool, _ = make_pool()
-    pool.apply(load("w", active_decode_blocks=99, kv_total_blocks=100))
+    pool.report_load("w", active_decode_blocks=99, kv_total_blocks=100)
     assert "w" in pool.workers and not pool.by_model
-    pool.apply(cfg("w"))
+    announce(pool, "w")
     assert pool.by_model["m"][0].busy  # the earlier load applies once config arrives
 
 
 def test_later_config_replaces_model_and_endpoint() -> None:
     pool, _ = make_pool()
-    pool.apply(cfg("w", "a", 8000))
-    pool.apply(cfg("w", "b", 8001))
+    announce(pool, "w", "a", 8000)
+    announce(pool, "w", "b", 8001)
     assert "a" not in pool.by_model
     assert pool.by_model["b"][0].endpoint == "127.0.0.1:8001"
 
 
 def test_bye_and_ttl_remove() -> None:
     pool, clock = make_pool(worker_ttl=10.0)
-    pool.apply(cfg("a"))
-    pool.apply(cfg("b"))
-    pool.apply(ByeEvent(worker_id="a"))
+    announce(pool, "a")
+    announce(pool, "b")
+    pool.leave("a")
     assert [w.worker_id for w in pool.by_model["m"]] == ["b"]
     clock.t += 9.9
     assert pool.expire() == []
-    pool.apply(load("b"))  # heartbeat
+    pool.report_load("b")  # heartbeat
     clock.t += 9.9
     assert pool.expire() == []
     clock.t += 0.2
@@ -81,37 +84,36 @@ def test_bye_and_ttl_remove() -> None:
 
 def test_seq_gaps_count_lost_and_restart_is_not_loss() -> None:
     pool, _ = make_pool()
-    pool.apply(cfg("w"))
+    announce(pool, "w")
     for seq in (1, 2, 5, 6, 1, 2, 4):
-        pool.apply(load("w", seq=seq))
+        pool.report_load("w", seq=seq)
     assert pool.events_lost == 2 + 1  # 3,4 missing; after the restart 3 missing
 
 
 def test_rank_beyond_dp_size_is_rejected_without_change() -> None:
     pool, _ = make_pool()
-    pool.apply(cfg("w", dp_size=2, kv_total_blocks=10))
-    with pytest.raises(EventRejected):
-        pool.apply(load("w", dp_rank=2, active_decode_blocks=9))
+    announce(pool, "w", dp_size=2, kv_total_blocks=10)
+    with pytest.raises(RankOutOfRange, match="dp_rank 2 >= dp_size 2 of w"):
+        pool.report_load("w", dp_rank=2, active_decode_blocks=9)
     assert all(r.reported_at is None for r in pool.workers["w"].ranks)
 
 
 def test_allow_list_drops_config() -> None:
     pool, _ = make_pool(allow=WorkerAllowList.from_entries(["10.0.0.0/8", "localhost:9"]))
-    with pytest.raises(EventRejected) as exc:
-        pool.apply(cfg("w"))
-    assert exc.value.reason == "endpoint_not_allowed"
+    with pytest.raises(EndpointNotAllowed, match=r"127\.0\.0\.1:8000"):
+        announce(pool, "w")
     assert not pool.workers
-    pool.apply(ConfigEvent(worker_id="ok", model="m", endpoint="10.1.2.3:80"))
-    pool.apply(ConfigEvent(worker_id="ok2", model="m", endpoint="LOCALHOST:9"))
+    pool.announce("ok", model="m", endpoint="10.1.2.3:80")
+    pool.announce("ok2", model="m", endpoint="LOCALHOST:9")
     assert len(pool.by_model["m"]) == 2
 
 
 def test_effective_load_is_max_of_reported_and_estimate() -> None:
     pool, _ = make_pool(BusyThresholds(None, 100))
-    pool.apply(cfg("w", block_size=16))
+    announce(pool, "w", block_size=16)
     w = pool.workers["w"]
     rank = w.ranks[0]
-    pool.apply(load("w", active_prefill_tokens=30, active_decode_blocks=1))
+    pool.report_load("w", active_prefill_tokens=30, active_decode_blocks=1)
     t1 = pool.dispatch(w, rank, 50)
     assert (rank.prefill_tokens, rank.decode_blocks) == (50, 4)  # ceil(50/16) = 4
     t2 = pool.dispatch(w, rank, 51)
@@ -127,7 +129,7 @@ def test_effective_load_is_max_of_reported_and_estimate() -> None:
 
 def test_track_output_blocks_counts_generated_tokens() -> None:
     pool, _ = make_pool(BusyThresholds(0.5), track_output_blocks=True)
-    pool.apply(cfg("w", block_size=16, kv_total_blocks=10))
+    announce(pool, "w", block_size=16, kv_total_blocks=10)
     w = pool.workers["w"]
     t = pool.dispatch(w, w.ranks[0], 16)
     assert w.ranks[0].est_blocks == 1
@@ -141,8 +143,8 @@ def test_track_output_blocks_counts_generated_tokens() -> None:
 
 def test_threshold_change_applies_immediately_both_ways() -> None:
     pool, _ = make_pool(BusyThresholds())
-    pool.apply(cfg("w", kv_total_blocks=100))
-    pool.apply(load("w", active_decode_blocks=80))
+    announce(pool, "w", kv_total_blocks=100)
+    pool.report_load("w", active_decode_blocks=80)
     assert not pool.workers["w"].busy
     pool.set_thresholds("m", BusyThresholds(0.5))
     assert pool.workers["w"].busy
@@ -152,87 +154,87 @@ def test_threshold_change_applies_immediately_both_ways() -> None:
 
 def test_overload_mark_cleared_by_load_or_one_second() -> None:
     pool, clock = make_pool(BusyThresholds())
-    pool.apply(cfg("w"))
+    announce(pool, "w")
     sched = Scheduler(pool)
     w = pool.workers["w"]
     pool.mark_overloaded(w)
-    assert sched.pick("m")[0] is Outcome.OVERLOADED
-    pool.apply(load("w"))
-    assert sched.pick("m")[0] is Outcome.ROUTED
+    assert sched.decide("m", 0).outcome is Outcome.OVERLOADED
+    pool.report_load("w")
+    assert sched.decide("m", 0).outcome is Outcome.ROUTED
     pool.mark_overloaded(w)
     clock.t += 0.99
-    assert sched.pick("m")[0] is Outcome.OVERLOADED
+    assert sched.decide("m", 0).outcome is Outcome.OVERLOADED
     clock.t += 0.02
-    assert sched.pick("m")[0] is Outcome.ROUTED  # no thresholds set, still cleared
+    assert sched.decide("m", 0).outcome is Outcome.ROUTED  # no thresholds set, still cleared
 
 
 def test_outcomes_no_workers_and_not_found() -> None:
     pool, _ = make_pool()
     sched = Scheduler(pool)
-    assert sched.pick("m")[0] is Outcome.NO_WORKERS
-    pool.apply(cfg("w", "other"))
-    assert sched.pick("m")[0] is Outcome.MODEL_NOT_FOUND
+    assert sched.decide("m", 0).outcome is Outcome.NO_WORKERS
+    announce(pool, "w", "other")
+    assert sched.decide("m", 0).outcome is Outcome.MODEL_NOT_FOUND
 
 
 def test_kv_mode_least_loaded_then_prefill_and_ties_rotate() -> None:
     pool, _ = make_pool(BusyThresholds())
     for i, wid in enumerate("abc"):
-        pool.apply(cfg(wid, port=8000 + i, kv_total_blocks=100))
-    pool.apply(load("a", active_decode_blocks=10, active_prefill_tokens=0))
-    pool.apply(load("b", active_decode_blocks=5, active_prefill_tokens=50))
-    pool.apply(load("c", active_decode_blocks=5, active_prefill_tokens=10))
+        announce(pool, wid, port=8000 + i, kv_total_blocks=100)
+    pool.report_load("a", active_decode_blocks=10, active_prefill_tokens=0)
+    pool.report_load("b", active_decode_blocks=5, active_prefill_tokens=50)
+    pool.report_load("c", active_decode_blocks=5, active_prefill_tokens=10)
     sched = Scheduler(pool, "kv")
-    assert sched.pick("m")[1].worker_id == "c"  # type: ignore[union-attr]
+    assert picked(sched) == "c"
     for wid in "abc":
-        pool.apply(load(wid, active_decode_blocks=0, active_prefill_tokens=0))
-    picked = {sched.pick("m")[1].worker_id for _ in range(6)}  # type: ignore[union-attr]
-    assert picked == {"a", "b", "c"}
+        pool.report_load(wid, active_decode_blocks=0, active_prefill_tokens=0)
+    seen = {picked(sched) for _ in range(6)}
+    assert seen == {"a", "b", "c"}
 
 
 def test_kv_mode_picks_least_loaded_free_rank() -> None:
     pool, _ = make_pool(BusyThresholds(0.5))
-    pool.apply(cfg("w", kv_total_blocks=100, dp_size=3))
-    pool.apply(load("w", dp_rank=0, active_decode_blocks=90))
-    pool.apply(load("w", dp_rank=1, active_decode_blocks=30))
-    pool.apply(load("w", dp_rank=2, active_decode_blocks=20))
-    outcome, _, rank = Scheduler(pool).pick("m")
-    assert outcome is Outcome.ROUTED and rank is not None and rank.index == 2
+    announce(pool, "w", kv_total_blocks=100, dp_size=3)
+    pool.report_load("w", dp_rank=0, active_decode_blocks=90)
+    pool.report_load("w", dp_rank=1, active_decode_blocks=30)
+    pool.report_load("w", dp_rank=2, active_decode_blocks=20)
+    decision = Scheduler(pool).decide("m", 0)
+    assert isinstance(decision, Routed) and decision.ticket.rank.index == 2
 
 
 def test_round_robin_and_random_skip_busy() -> None:
     pool, _ = make_pool(BusyThresholds(0.5))
     for i, wid in enumerate("abc"):
-        pool.apply(cfg(wid, port=8000 + i, kv_total_blocks=10))
-    pool.apply(load("b", active_decode_blocks=9))
+        announce(pool, wid, port=8000 + i, kv_total_blocks=10)
+    pool.report_load("b", active_decode_blocks=9)
     rr = Scheduler(pool, "round-robin")
-    seq = [rr.pick("m")[1].worker_id for _ in range(4)]  # type: ignore[union-attr]
+    seq = [picked(rr) for _ in range(4)]
     assert set(seq) == {"a", "c"} and seq[0] != seq[1]
     rnd = Scheduler(pool, "random", random.Random(1))
-    assert {rnd.pick("m")[1].worker_id for _ in range(40)} == {"a", "c"}  # type: ignore[union-attr]
+    assert {picked(rnd) for _ in range(40)} == {"a", "c"}
 
 
 def test_decode_check_inactive_outside_kv_mode() -> None:
     pool, _ = make_pool(BusyThresholds(0.5), kv_mode=False)
-    pool.apply(cfg("w", kv_total_blocks=10))
-    pool.apply(load("w", active_decode_blocks=10))
+    announce(pool, "w", kv_total_blocks=10)
+    pool.report_load("w", active_decode_blocks=10)
     assert not pool.workers["w"].busy
 
 
 def test_thresholds_per_model_start_from_defaults() -> None:
     pool, _ = make_pool(BusyThresholds(None, 7))
-    pool.apply(cfg("a", "m1"))
+    announce(pool, "a", "m1")
     pool.set_thresholds("m1", BusyThresholds(None, 99))
-    pool.apply(cfg("b", "m2", 8001))
+    announce(pool, "b", "m2", 8001)
     assert pool.thresholds_for("m2") == BusyThresholds(None, 7)
     assert pool.thresholds_for("m1") == BusyThresholds(None, 99)
-    pool.apply(ByeEvent(worker_id="a"))
-    pool.apply(cfg("a", "m1"))
+    pool.leave("a")
+    announce(pool, "a", "m1")
     assert pool.thresholds_for("m1") == BusyThresholds(None, 99)  # kept while gone
 
 
 def test_retry_after_is_bounded() -> None:
     pool, clock = make_pool()
-    pool.apply(cfg("w"))
+    announce(pool, "w")
     assert pool.retry_after("m") == 1
     w = pool.workers["w"]
     t = pool.dispatch(w, w.ranks[0], 1)

@@ -1,0 +1,183 @@
+"""Serialized ext_proc replies: built once, sent as bytes.
+
+Replies that do not depend on the request are module constants; :class:`Replies` holds
+those that depend on startup settings (the overload status, one per Retry-After value)
+or on a little state (one routing reply per worker endpoint and fallbacks, the model
+list), each serialized once and reused.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2, struct_pb2
+
+from extproc.core.scheduling import Outcome, Rejected
+from extproc.openai.errors import error_body
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
+# Routing replies kept (one per endpoint and fallback list); cleared when exceeded.
+ROUTE_CACHE = 4096
+MAX_RETRY_AFTER = 60
+_PM = processing_mode_pb2.ProcessingMode
+
+
+def _serialize(msg: ep.ProcessingResponse) -> bytes:
+    return msg.SerializeToString()
+
+
+def _header(key: str, value: str | bytes) -> base_pb2.HeaderValue:
+    raw = value if isinstance(value, bytes) else value.encode()
+    return base_pb2.HeaderValue(key=key, raw_value=raw)
+
+
+def immediate(
+    status: int, body: bytes, headers: dict[str, str] | None = None, details: str = ""
+) -> bytes:
+    """A serialized local reply: status, JSON body, content-type and extra headers."""
+    mutation = base_pb2.HeaderValueOption
+    set_headers = [mutation(header=_header("content-type", "application/json"))]
+    for k, v in (headers or {}).items():
+        set_headers.append(mutation(header=_header(k, v)))
+    return _serialize(
+        ep.ProcessingResponse(
+            immediate_response=ep.ImmediateResponse(
+                status=http_status_pb2.HttpStatus(code=status),
+                headers=ep.HeaderMutation(set_headers=set_headers),
+                body=body,
+                details=details,
+            )
+        )
+    )
+
+
+def routing_reply(endpoint: str, fallbacks: tuple[str, ...] = ()) -> bytes:
+    """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header.
+
+    ``fallbacks`` follow the pick in the metadata (``a,b,c``): Envoy's override_host
+    policy tries them in order when the route retries a worker-side rejection.
+    ``x-envoy-max-retries`` caps the retries at the hosts listed, so a retry never
+    falls through to the cluster's fallback policy (a worker of another model).
+    """
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    meta = struct_pb2.Struct()
+    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join((endpoint, *fallbacks))}})
+    return _serialize(
+        ep.ProcessingResponse(
+            request_body=ep.BodyResponse(
+                response=ep.CommonResponse(
+                    header_mutation=ep.HeaderMutation(
+                        set_headers=[
+                            base_pb2.HeaderValueOption(
+                                header=_header(DESTINATION_HEADER, endpoint),
+                                append_action=overwrite,
+                            ),
+                            base_pb2.HeaderValueOption(
+                                header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))),
+                                append_action=overwrite,
+                            ),
+                        ]
+                    )
+                )
+            ),
+            dynamic_metadata=meta,
+        )
+    )
+
+
+def extend_timeout(seconds: int) -> bytes:
+    """Tell Envoy to wait ``seconds`` for the next reply (a request in the router queue)."""
+    return _serialize(
+        ep.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds))
+    )
+
+
+CONTINUE_REQUEST_HEADERS = _serialize(ep.ProcessingResponse(request_headers=ep.HeadersResponse()))
+CONTINUE_REQUEST_BODY = _serialize(ep.ProcessingResponse(request_body=ep.BodyResponse()))
+CONTINUE_RESPONSE_HEADERS = _serialize(ep.ProcessingResponse(response_headers=ep.HeadersResponse()))
+CONTINUE_RESPONSE_BODY = _serialize(ep.ProcessingResponse(response_body=ep.BodyResponse()))
+# The reply that lets each kind of message through unchanged, by the request's oneof name.
+CONTINUES = {
+    "request_headers": CONTINUE_REQUEST_HEADERS,
+    "request_body": CONTINUE_REQUEST_BODY,
+    "response_headers": CONTINUE_RESPONSE_HEADERS,
+    "response_body": CONTINUE_RESPONSE_BODY,
+    "request_trailers": _serialize(ep.ProcessingResponse(request_trailers=ep.TrailersResponse())),
+    "response_trailers": _serialize(ep.ProcessingResponse(response_trailers=ep.TrailersResponse())),
+}
+# Pass-through paths: drop a client-supplied destination header, stop processing.
+PASSTHROUGH = _serialize(
+    ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+            )
+        ),
+        mode_override=_PM(
+            request_body_mode=_PM.NONE,
+            response_header_mode=_PM.SKIP,
+            response_body_mode=_PM.NONE,
+            request_trailer_mode=_PM.SKIP,
+            response_trailer_mode=_PM.SKIP,
+        ),
+    )
+)
+NO_WORKERS = immediate(503, error_body("Service temporarily unavailable", 503))
+MODEL_NOT_FOUND = immediate(404, error_body("Model not found", 404))
+INTERNAL_ERROR = immediate(
+    500, error_body("Internal error in the load-shedding processor", 500), details="extproc_error"
+)
+
+
+def bad_request(message: str) -> bytes:
+    """400 with the flat error body naming what is wrong with the request."""
+    return immediate(400, error_body(message, 400))
+
+
+class Replies:
+    """The replies that depend on settings or state, each serialized once."""
+
+    def __init__(self, overload_status: int) -> None:
+        body = error_body("Service temporarily overloaded", overload_status)
+        self.overloaded = [b""] + [
+            immediate(overload_status, body, {"retry-after": str(s)})
+            for s in range(1, MAX_RETRY_AFTER + 1)
+        ]
+        self._routes: dict[tuple[str, ...], bytes] = {}
+        self._models: tuple[tuple[str, ...], bytes] | None = None
+
+    def rejected(self, decision: Rejected) -> bytes:
+        """The local reply of a rejection decision."""
+        if decision.outcome is Outcome.OVERLOADED:
+            return self.overloaded[decision.retry_after]
+        return NO_WORKERS if decision.outcome is Outcome.NO_WORKERS else MODEL_NOT_FOUND
+
+    def route(self, endpoint: str, fallbacks: tuple[str, ...]) -> bytes:
+        """The routing reply to ``endpoint`` with ``fallbacks``, cached per combination."""
+        key = (endpoint, *fallbacks)
+        reply = self._routes.get(key)
+        if reply is None:
+            if len(self._routes) >= ROUTE_CACHE:
+                self._routes.clear()
+            reply = self._routes[key] = routing_reply(endpoint, fallbacks)
+        return reply
+
+    def models(self, models: tuple[str, ...]) -> bytes:
+        """``GET /v1/models`` answered from the discovered models."""
+        cached = self._models
+        if cached is None or cached[0] != models:
+            body = json.dumps(
+                {
+                    "object": "list",
+                    "data": [{"id": m, "object": "model", "owned_by": "extproc"} for m in models],
+                },
+                separators=(",", ":"),
+            ).encode()
+            cached = self._models = (models, immediate(200, body))
+        return cached[1]
