@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast lint format bench bench-events clean
+.PHONY: help install demo test test-unit lint format bench bench-events clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -23,6 +23,9 @@ demo: $(STAMP) ## Run Envoy + extproc + 2 simulated workers on localhost:8000 (C
 
 test: $(STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## Run the tests that need no Envoy (under a minute)
+	$(PY) -m pytest -q -m "not envoy" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check extproc llmworker tests loadtest

@@ -69,3 +69,17 @@ def make_stack(log_dir: Path, echo_workers: dict[str, int]) -> Iterator[type]:
     yield factory  # type: ignore[misc]
     for stack in made:
         stack.close()
+
+
+# Test folders whose every test runs the real Envoy (or a whole stack); elsewhere a test is
+# marked by using the stack fixtures. ``make test-unit`` deselects the ``envoy`` marker.
+ENVOY_DIRS = {"integration", "deploy", "loadtest"}
+STACK_FIXTURES = {"make_stack", "echo_workers"}
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder in ENVOY_DIRS or STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.envoy)

@@ -1,0 +1,190 @@
+"""The ext_proc handler with plain protobuf messages: no Envoy, no sockets.
+
+Each test feeds a session the serialized messages Envoy would send and reads the
+serialized reply back, so it checks the mapping from a decision to the reply bytes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from prometheus_client import generate_latest
+
+from extproc.core.busy import BusyThresholds
+from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import Scheduler
+from extproc.handlers.processor import ExtProcHandler, RequestSession
+from extproc.handlers.replies import DESTINATION_HEADER, LB_NAMESPACE
+from extproc.metrics.registry import Metrics
+
+CHAT = "/v1/chat/completions"
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(th: BusyThresholds = BusyThresholds(0.5), status: int = 529) -> ExtProcHandler:
+    pool = WorkerPool(th, clock=Clock())
+    return ExtProcHandler(pool, Scheduler(pool), Metrics(), overload_status=status)
+
+
+def headers(path: str, method: str = "POST", end: bool = False, **extra: str) -> bytes:
+    pairs = {":path": path, ":method": method, **extra}
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    return ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end)
+    ).SerializeToString()
+
+
+def body(payload: object | bytes) -> bytes:
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=raw, end_of_stream=True)
+    ).SerializeToString()
+
+
+def response_headers(status: int, end: bool = False, **extra: str) -> bytes:
+    pairs = {":status": str(status), **extra}
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=hm, end_of_stream=end)
+    ).SerializeToString()
+
+
+def reply(session: RequestSession, message: bytes) -> ep.ProcessingResponse:
+    raw = session.receive(message)
+    assert isinstance(raw, bytes), raw
+    return ep.ProcessingResponse.FromString(raw)
+
+
+def chat(handler: ExtProcHandler, model: str = "m", content: str = "hi") -> ep.ProcessingResponse:
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    assert reply(session, headers(CHAT)).WhichOneof("response") == "request_headers"
+    return reply(session, body({"model": model, "messages": [{"content": content}]}))
+
+
+def local(resp: ep.ProcessingResponse) -> tuple[int, dict[str, str], dict[str, object]]:
+    imm = resp.immediate_response
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    return imm.status.code, hdrs, json.loads(imm.body)
+
+
+def counter(handler: ExtProcHandler, name: str, **labels: str) -> float:
+    value = handler.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def test_other_paths_pass_through_and_drop_a_client_destination_header() -> None:
+    handler = make()
+    session = handler.open_session({})
+    resp = reply(session, headers("/v1/other", "GET", **{DESTINATION_HEADER: "10.0.0.1:1"}))
+    mutation = resp.request_headers.response.header_mutation
+    assert list(mutation.remove_headers) == [DESTINATION_HEADER]
+    assert resp.mode_override.request_body_mode == resp.mode_override.NONE
+    assert counter(handler, "extproc_decisions_total", outcome="passthrough") == 1
+
+
+def test_bad_body_is_400_naming_the_problem() -> None:
+    handler = make()
+    session = handler.open_session({})
+    reply(session, headers(CHAT))
+    status, hdrs, payload = local(reply(session, body(b"{not json")))
+    assert status == 400 and hdrs["content-type"] == "application/json"
+    assert payload["type"] == "Bad Request" and payload["code"] == 400
+    assert "JSON" in str(payload["message"])
+    empty = handler.open_session({})
+    status, _, payload = local(reply(empty, headers(CHAT, end=True)))
+    assert status == 400 and "empty" in str(payload["message"])
+
+
+def test_no_workers_503_and_unknown_model_404() -> None:
+    handler = make()
+    assert local(chat(handler))[0] == 503
+    handler.pool.announce("w", model="other", endpoint="127.0.0.1:9")
+    status, _, payload = local(chat(handler))
+    assert (status, payload["message"]) == (404, "Model not found")
+
+
+def test_routed_sets_header_and_metadata_and_close_releases_the_estimate() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    pool.announce("b", model="m", endpoint="127.0.0.1:2", kv_total_blocks=100)
+    pool.report_load("b", active_decode_blocks=90)  # busy: never the pick, never a fallback
+    session = handler.open_session({})
+    reply(session, headers(CHAT))
+    resp = reply(session, body({"model": "m", "prompt": "x" * 400}))
+    mutation = resp.request_body.response.header_mutation
+    assert {h.header.key: h.header.raw_value for h in mutation.set_headers} == {
+        DESTINATION_HEADER: b"127.0.0.1:1",
+        "x-envoy-max-retries": b"0",
+    }
+    meta = resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert meta[DESTINATION_HEADER].string_value == "127.0.0.1:1"
+    rank = pool.workers["a"].ranks[0]
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (1, 100, 7)
+    session.close()
+    session.close()  # idempotent
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (0, 0, 0)
+
+
+def test_every_worker_busy_is_the_overload_reply_with_retry_after() -> None:
+    handler = make(status=503)
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    handler.pool.report_load("a", active_decode_blocks=6)
+    status, hdrs, payload = local(chat(handler))
+    assert status == 503 and hdrs["retry-after"] == "1"
+    assert payload == {
+        "message": "Service temporarily overloaded",
+        "type": "Service Unavailable",
+        "code": 503,
+    }
+    assert (
+        counter(
+            handler, "dynamo_frontend_model_rejection_total", model="m", endpoint="chat_completions"
+        )
+        == 1
+    )
+    # A threshold change is seen by the very next request.
+    handler.pool.set_thresholds("m", BusyThresholds(0.9))
+    assert chat(handler).WhichOneof("response") == "request_body"
+
+
+def test_worker_side_rejection_becomes_the_overload_reply_and_marks_the_worker() -> None:
+    handler = make(BusyThresholds())
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1")
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    reply(session, headers(CHAT))
+    reply(session, body({"model": "m", "prompt": "hello"}))
+    resp = reply(session, response_headers(503, **{"x-worker-overloaded": "1"}))
+    status, hdrs, payload = local(resp)
+    assert status == 529 and payload["type"] == "Overloaded" and hdrs["retry-after"] == "1"
+    worker = handler.pool.workers["a"]
+    assert worker.state(handler.pool.clock()) == "overloaded"
+    assert worker.ranks[0].inflight == 0
+    text = generate_latest(handler.metrics.registry).decode()
+    assert 'dynamo_frontend_model_rejection_total{endpoint="chat_completions",model="m"} 1.0' in (
+        text
+    )
+
+
+def test_models_list_is_answered_from_discovered_models() -> None:
+    handler = make()
+    handler.pool.announce("a", model="m2", endpoint="127.0.0.1:1")
+    handler.pool.announce("b", model="m1", endpoint="127.0.0.1:2")
+    session = handler.open_session({})
+    status, _, payload = local(reply(session, headers("/v1/models", "GET")))
+    assert status == 200
+    assert [m["id"] for m in payload["data"]] == ["m1", "m2"]  # type: ignore[index]

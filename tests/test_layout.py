@@ -1,0 +1,87 @@
+"""The package layout's import rules: data flows one way, and the router never imports the
+worker side. Read from the source with ``ast``, so a lazy import inside a function or under
+``TYPE_CHECKING`` counts too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Plane -> the planes it may import. Events in -> core -> handlers -> transport; admin and
+# metrics read the core. The entry point, the wiring and the settings may import anything
+# of the router; nothing of the router may import llmworker.
+ALLOWED: dict[str, set[str]] = {
+    "extproc.core": {"extproc.core"},
+    "extproc.openai": {"extproc.openai"},
+    "extproc.events": {"extproc.events", "extproc.core", "extproc.metrics"},
+    "extproc.metrics": {"extproc.metrics", "extproc.core"},
+    "extproc.handlers": {"extproc.handlers", "extproc.core", "extproc.openai", "extproc.metrics"},
+    "extproc.transport": {"extproc.transport"},
+    "extproc.admin": {"extproc.admin", "extproc.core", "extproc.metrics", "extproc.openai"},
+    "extproc.devstack": {"extproc.devstack", "extproc.events", "extproc.core"},
+    "extproc": {"extproc"},  # __main__, service, settings: the wiring
+    "llmworker": {"llmworker", "extproc.events", "extproc.openai", "extproc.core.endpoint"},
+}
+# Third-party or standard modules the pure core must not use: no I/O, no protobuf, no loop.
+FLAT = {"extproc", "extproc.__main__", "extproc.service", "extproc.settings"}
+CORE_FORBIDDEN = ("asyncio", "socket", "grpc", "google", "envoy", "zmq", "aiozmq", "aiohttp")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _plane(module: str) -> str:
+    """The most specific key of ALLOWED that contains ``module``."""
+    best = ""
+    for plane in ALLOWED:
+        if (module == plane or module.startswith(plane + ".")) and len(plane) > len(best):
+            best = plane
+    return best
+
+
+def _within(name: str, allowed: set[str]) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in allowed)
+
+
+SOURCES = sorted(p for d in ("extproc", "llmworker") for p in (ROOT / d).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_flow(path: Path) -> None:
+    module = _module_name(path)
+    plane = _plane(module)
+    assert plane, f"{module} is in no plane of the layout; add it to ALLOWED"
+    if plane == "extproc":
+        assert module in FLAT, f"{module}: only {sorted(FLAT)} stay flat; put it in a plane"
+    ours = [n for n in _imports(path) if n.split(".")[0] in ("extproc", "llmworker")]
+    wrong = [n for n in ours if not _within(n, ALLOWED[plane])]
+    assert not wrong, f"{module} ({plane}) imports {wrong}; it may import {sorted(ALLOWED[plane])}"
+    if plane == "extproc.core":
+        io = [n for n in _imports(path) if n.split(".")[0] in CORE_FORBIDDEN]
+        assert not io, f"{module} is pure core but imports {io}"
+
+
+def test_the_checker_catches_a_wrong_import() -> None:
+    """A reversed import is reported (the rule above is not vacuous)."""
+    assert not _within("extproc.handlers.processor", ALLOWED["extproc.core"])
+    assert not _within("llmworker.sim", ALLOWED[_plane("extproc.devstack.procs")])
+    assert _plane("extproc.service") == "extproc"
+    assert _within("extproc.events.schema", ALLOWED["llmworker"])
+    assert len(SOURCES) > 30
