@@ -29,7 +29,10 @@ class Clock:
         return self.t
 
 
-def make(th: BusyThresholds = BusyThresholds(0.5), status: int = 529) -> ExtProcHandler:
+HALF = BusyThresholds(0.5)
+
+
+def make(th: BusyThresholds = HALF, status: int = 529) -> ExtProcHandler:
     pool = WorkerPool(th, clock=Clock())
     return ExtProcHandler(pool, Scheduler(pool), Metrics(), overload_status=status)
 
