@@ -184,6 +184,8 @@ class WorkerPool:
         self.clock = clock
         self.workers: dict[str, Worker] = {}
         self.by_model: dict[str, list[Worker]] = {}
+        # One endpoint is one engine: the worker that announced it last.
+        self.by_endpoint: dict[str, Worker] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
@@ -233,12 +235,16 @@ class WorkerPool:
         max_num_batched_tokens: int | None = None,
         dp_size: int | None = None,
         worker_type: WorkerType | None = None,
-    ) -> None:
+    ) -> list[str]:
         """A worker's registration or heartbeat; a later one replaces the earlier one.
 
         Raises :class:`EndpointNotAllowed` (nothing changed) for an endpoint outside the
-        allow-list. A changed model or endpoint moves the worker: it serves the new model at
-        the new endpoint from now on (docs/events.md, "identity").
+        allow-list. Identity rules (docs/events.md, "Worker identity"): a changed model or
+        endpoint moves the worker, which serves the new model at the new endpoint from the
+        next decision on, keeping its load and in-flight estimates; a changed ``dp_size``
+        keeps the ranks both sizes have. An endpoint belongs to the worker that announced it
+        last: another worker that held it is removed as if it had said ``bye``. Returns the
+        ids of the workers so removed.
         """
         if not self.allow.allows(endpoint):
             raise EndpointNotAllowed(f"endpoint {endpoint} not in --worker-allow")
@@ -249,6 +255,15 @@ class WorkerPool:
         worker.last_seen = now
         if worker.configured and worker.model != model:
             self._unlink(worker)
+        displaced: list[str] = []
+        holder = self.by_endpoint.get(endpoint)
+        if holder is not None and holder is not worker:
+            self.leave(holder.worker_id)
+            displaced.append(holder.worker_id)
+        if worker.configured and worker.endpoint != endpoint:
+            if self.by_endpoint.get(worker.endpoint) is worker:
+                del self.by_endpoint[worker.endpoint]
+        self.by_endpoint[endpoint] = worker
         size = dp_size or 1
         if size != len(worker.ranks):
             ranks = worker.ranks[:size]
@@ -275,6 +290,7 @@ class WorkerPool:
         self._recompute_limits(worker)
         if self.on_capacity is not None:
             self.on_capacity(model)
+        return displaced
 
     def report_load(
         self,
@@ -323,6 +339,8 @@ class WorkerPool:
             return False
         if worker.configured:
             self._unlink(worker)
+            if self.by_endpoint.get(worker.endpoint) is worker:
+                del self.by_endpoint[worker.endpoint]
         return True
 
     def expire(self) -> list[str]:

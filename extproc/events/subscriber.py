@@ -56,7 +56,7 @@ def apply_event(pool: WorkerPool, event: Event) -> None:
                 seq=event.seq,
             )
         elif type(event) is ConfigEvent:
-            pool.announce(
+            displaced = pool.announce(
                 event.worker_id,
                 model=event.model,
                 endpoint=event.endpoint,
@@ -66,6 +66,13 @@ def apply_event(pool: WorkerPool, event: Event) -> None:
                 dp_size=event.dp_size,
                 worker_type=event.worker_type,
             )
+            for other in displaced:
+                log.info(
+                    "worker %s announced endpoint %s; worker %s, which held it, is removed",
+                    event.worker_id,
+                    event.endpoint,
+                    other,
+                )
         else:
             pool.leave(event.worker_id)
     except EndpointNotAllowed as exc:

@@ -89,6 +89,21 @@ def test_free_worker_serves_and_busy_worker_is_skipped(stack: Stack) -> None:
         assert json.loads(body)["destination"] == stack.endpoint("b")
 
 
+def test_worker_announcing_a_new_endpoint_is_routed_there(stack: Stack) -> None:
+    """A restarted pod keeps its worker_id and comes back at a new address."""
+    announce(stack, "moving", "m-move", "a")
+    status, headers, _ = http("POST", stack.envoy.url + CHAT, chat("m-move"))
+    assert (status, headers["x-worker-id"]) == (200, "a")
+    stack.pub.config("moving", "m-move", stack.endpoint("b"))
+    wait_until(
+        lambda: stack.ext.workers()["moving"]["endpoint"] == stack.endpoint("b"), 5, "new endpoint"
+    )
+    for _ in range(4):
+        status, headers, body = http("POST", stack.envoy.url + CHAT, chat("m-move"))
+        assert (status, headers["x-worker-id"]) == (200, "b"), body
+        assert json.loads(body)["destination"] == stack.endpoint("b")
+
+
 def test_kv_mode_picks_least_loaded(stack: Stack) -> None:
     announce(stack, "ll-1", "m-ll", "a", kv_total_blocks=100)
     announce(stack, "ll-2", "m-ll", "b", kv_total_blocks=1000)
