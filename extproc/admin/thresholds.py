@@ -9,11 +9,11 @@ Checks run in this order, the first failure answers:
 1. 415 ``Content-Type`` is not ``application/json`` (parameters such as charset ignored);
 2. 400 the body is empty or not valid JSON;
 3. 422 the body is not an object; ``model`` missing, null or not a string; a threshold of
-   the wrong type (string or bool for a number; a float or a negative number for the token
-   threshold); ``disable`` not a list of threshold names, or naming a threshold also given
+   the wrong type (string or bool for a number; for the token threshold anything but an
+   unsigned 64-bit integer: a float, a negative number, a number above 2^64-1, as in
+   Dynamo); ``disable`` not a list of threshold names, or naming a threshold also given
    a value;
-4. 400 a value out of range (decode outside [0, 1], fraction negative or not finite, token
-   threshold above 2^64-1);
+4. 400 a value out of range (decode outside [0, 1], fraction negative or not finite);
 5. 404 a change for a model no worker serves.
 
 ``NaN``, ``Infinity`` and ``-Infinity`` tokens (which Python's ``json`` accepts) and numbers
@@ -133,8 +133,15 @@ def decode_body(content_type: str | None, raw: bytes) -> object:
 
 def _check_type(name: str, value: object) -> None:
     if name == PREFILL:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _wrong_type(name, value, "a whole number of tokens >= 0")
+        # Not an unsigned 64-bit integer is a type error, as in Dynamo (422), above 2^64-1 too.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 <= value <= MAX_TOKEN_THRESHOLD
+        ):
+            raise _wrong_type(
+                name, value, f"a whole number of tokens from 0 to {MAX_TOKEN_THRESHOLD}"
+            )
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(name, value, "a number")
 
@@ -142,8 +149,6 @@ def _check_type(name: str, value: object) -> None:
 def _check_range(name: str, value: float | int) -> float | int:
     """The value as stored (floats for the fractional thresholds), or a 400."""
     if name == PREFILL:
-        if value > MAX_TOKEN_THRESHOLD:
-            raise _out_of_range(name, value, f"at most {MAX_TOKEN_THRESHOLD} (2^64-1)")
         return value
     if name == DECODE:
         if not 0 <= value <= 1:  # NaN fails both comparisons

@@ -260,9 +260,8 @@ class WorkerPool:
         if holder is not None and holder is not worker:
             self.leave(holder.worker_id)
             displaced.append(holder.worker_id)
-        if worker.configured and worker.endpoint != endpoint:
-            if self.by_endpoint.get(worker.endpoint) is worker:
-                del self.by_endpoint[worker.endpoint]
+        if worker.endpoint != endpoint and self.by_endpoint.get(worker.endpoint) is worker:
+            del self.by_endpoint[worker.endpoint]
         self.by_endpoint[endpoint] = worker
         size = dp_size or 1
         if size != len(worker.ranks):

@@ -151,9 +151,7 @@ def run(row: Row) -> tuple[WorkerPool, Clock]:
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_identity_rules(row: Row) -> None:
     pool, _ = run(row)
-    routable = {
-        model: {w.worker_id: w.endpoint for w in workers} for model, workers in pool.by_model.items()
-    }
+    routable = {m: {w.worker_id: w.endpoint for w in ws} for m, ws in pool.by_model.items()}
     assert routable == row.routable
     for wid, n in row.ranks.items():
         assert len(pool.workers[wid].ranks) == n
