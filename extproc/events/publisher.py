@@ -50,6 +50,7 @@ import aiozmq
 import msgspec
 import zmq
 
+from extproc.events.curve import CurveClient
 from extproc.events.schema import (
     ByeEvent,
     ConfigEvent,
@@ -110,7 +111,9 @@ class EventPublisher:
     back-off in seconds (the maximum stays under the extproc's 1 s ``--startup-grace``,
     so a restarted extproc hears from every worker before it serves); ``linger``:
     seconds ``close()`` waits to deliver ``bye``;
-    ``sockopts``: more ZeroMQ socket options, e.g. ``{zmq.TCP_KEEPALIVE: 1}``.
+    ``sockopts``: more ZeroMQ socket options, e.g. ``{zmq.TCP_KEEPALIVE: 1}``;
+    ``curve``: this publisher's CURVE keys when the extproc requires them
+    (:class:`~extproc.events.curve.CurveClient`, from key files).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class EventPublisher:
         reconnect_ivl_max: float = 0.5,
         linger: float = 1.0,
         sockopts: Mapping[int, int] | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.endpoints: tuple[str, ...] = (
             (endpoints,) if isinstance(endpoints, str) else tuple(endpoints)
@@ -136,6 +140,7 @@ class EventPublisher:
         if debounce < 0:
             raise ValueError(f"debounce must be >= 0 seconds, got {debounce!r}")
         self._config = _validated(config)
+        self.curve = curve
         self.heartbeat = heartbeat
         self.debounce = debounce
         self._linger = max(0.0, linger)
@@ -190,6 +195,8 @@ class EventPublisher:
             raise PublisherError(f"cannot open ZeroMQ socket: {exc}") from exc
         for option, value in self._sockopts.items():
             transport.setsockopt(option, value)
+        if self.curve is not None:
+            self.curve.apply(transport)
         for endpoint in self.endpoints:
             try:
                 await transport.connect(endpoint)

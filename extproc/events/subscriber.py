@@ -16,6 +16,7 @@ import aiozmq
 import zmq
 
 from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
+from extproc.events.curve import CurveServer
 from extproc.events.schema import (
     DROP_FRAMES,
     DROP_NOT_ALLOWED,
@@ -116,10 +117,17 @@ class _SubProtocol(aiozmq.ZmqProtocol):
 class EventSubscriber:
     """Owns the SUB socket and turns frames into pool updates."""
 
-    def __init__(self, pool: WorkerPool, metrics: Metrics, rcvhwm: int = 200_000) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics: Metrics,
+        rcvhwm: int = 200_000,
+        curve: CurveServer | None = None,
+    ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.rcvhwm = rcvhwm
+        self.curve = curve
         self.closed = asyncio.Event()
         self._transport: Any = None
         self._lost_reported = 0
@@ -129,6 +137,8 @@ class EventSubscriber:
     async def start(self, bind: list[str], connect: list[str]) -> None:
         self._transport, _ = await aiozmq.create_zmq_connection(lambda: _SubProtocol(self), zmq.SUB)
         tr = self._transport
+        if self.curve is not None:
+            self.curve.start(tr.get_extra_info("zmq_socket"))
         tr.setsockopt(zmq.RCVHWM, self.rcvhwm)
         tr.setsockopt(zmq.LINGER, 0)
         tr.subscribe(b"")
@@ -176,6 +186,8 @@ class EventSubscriber:
             self._lost_reported = lost
 
     def close(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
         if self._transport is not None:
             self._transport.close()
             self._transport = None

@@ -71,6 +71,13 @@ class Metrics:
         self.events_dropped = Counter(
             "extproc_events_dropped", "Worker events dropped, by reason.", ["reason"], registry=r
         )
+        self.events_refused = Counter(
+            "extproc_events_refused",
+            "Publishers refused on the event socket (CURVE on), by reason: unknown_key "
+            "(not in the publishers directory) or handshake_failed (no or wrong server key).",
+            ["reason"],
+            registry=r,
+        )
         self.events_lost = Counter(
             "extproc_events_lost", "Load events lost (gaps in per-worker seq).", registry=r
         )
@@ -95,6 +102,7 @@ class Metrics:
         self.outcome = _Children(self.decisions)
         self.topic = _Children(self.events)
         self.dropped = _Children(self.events_dropped)
+        self.refused = _Children(self.events_refused)
 
     def attach(
         self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]] | None = None
