@@ -103,11 +103,11 @@ async def test_only_admitted_publishers_change_the_pool(keys: Path) -> None:
 def test_key_files_are_checked_and_named(keys: Path) -> None:
     with pytest.raises(CurveKeyError, match="holds no secret key"):
         CurveClient.from_files(keys / "keys" / "good.key", keys / "keys" / "extproc.key")
-    with pytest.raises(CurveKeyError, match="missing.key_secret"):
+    with pytest.raises(CurveKeyError, match=r"missing\.key_secret"):
         CurveClient.from_files(keys / "missing.key_secret", keys / "keys" / "extproc.key")
     empty = keys / "empty"
     empty.mkdir()
-    with pytest.raises(CurveKeyError, match="holds no '\\*.key' public key files"):
+    with pytest.raises(CurveKeyError, match=r"holds no '\*\.key' public key files"):
         check_publisher_dir(empty)
     with pytest.raises(CurveKeyError, match="is not a directory"):
         check_publisher_dir(keys / "keys" / "good.key")
