@@ -52,6 +52,9 @@ class Rank:
         "index",
         "inflight",
         "limits",
+        "peer_blocks",
+        "peer_inflight",
+        "peer_prefill",
         "reported_at",
         "reported_blocks",
         "reported_kv_total",
@@ -67,27 +70,35 @@ class Rank:
         self.est_blocks = 0
         self.est_prefill = 0
         self.inflight = 0
+        # The other replicas' estimates for this rank, summed (docs/replicas.md).
+        self.peer_inflight = 0
+        self.peer_blocks = 0
+        self.peer_prefill = 0
         self.limits = _NO_LIMITS
         self.busy_reason: str | None = None
 
     @property
     def has_data(self) -> bool:
-        return self.reported_at is not None or self.inflight > 0
+        return self.reported_at is not None or self.inflight > 0 or self.peer_inflight > 0
 
     @property
     def decode_blocks(self) -> int | None:
-        """Effective active blocks: max(reported, router estimate), None if neither."""
+        """Effective active blocks: max(reported, router estimate), None if neither.
+
+        The router estimate is this replica's plus the other replicas' (when shared)."""
         rep = self.reported_blocks
-        if self.inflight:
-            return self.est_blocks if rep is None or self.est_blocks > rep else rep
+        if self.inflight or self.peer_inflight:
+            est = self.est_blocks + self.peer_blocks
+            return est if rep is None or est > rep else rep
         return rep
 
     @property
     def prefill_tokens(self) -> int | None:
         """Effective active prefill tokens: max(reported, router estimate)."""
         rep = self.reported_prefill
-        if self.inflight:
-            return self.est_prefill if rep is None or self.est_prefill > rep else rep
+        if self.inflight or self.peer_inflight:
+            est = self.est_prefill + self.peer_prefill
+            return est if rep is None or est > rep else rep
         return rep
 
 
@@ -192,6 +203,14 @@ class WorkerPool:
         self.queue_threshold = queue_threshold
         # Called with a model when its router-tracked prefill may have dropped.
         self.on_capacity: Callable[[str], None] | None = None
+        # Sharing with other replicas (docs/replicas.md): who we are, a counter bumped on
+        # every change of our own estimates, and who is told of a threshold change here.
+        self.replica_id = ""
+        self.estimates_version = 0
+        self.on_estimates: Callable[[], None] | None = None
+        self.on_thresholds: Callable[[str], None] | None = None
+        # model -> (version, writer replica): the newest change wins on every replica.
+        self.threshold_stamps: dict[str, tuple[int, str]] = {}
 
     # ----- reading -----------------------------------------------------------------
 
@@ -359,11 +378,30 @@ class WorkerPool:
 
     # ----- thresholds --------------------------------------------------------------
 
-    def set_thresholds(self, model: str, thresholds: BusyThresholds) -> None:
-        """Takes effect for the very next decision."""
+    def set_thresholds(
+        self, model: str, thresholds: BusyThresholds, stamp: tuple[int, str] | None = None
+    ) -> bool:
+        """Takes effect for the very next decision; False if ``stamp`` is not newer.
+
+        A change made here (no ``stamp``) is stamped (one more than the newest version
+        seen for the model, this replica's id) and announced through ``on_thresholds``. A
+        change from another replica carries its stamp and applies only if newer, so
+        concurrent changes end in the same state on every replica: the higher version
+        wins, and the higher replica id between equal versions.
+        """
+        current = self.threshold_stamps.get(model, (0, ""))
+        local = stamp is None
+        if stamp is None:
+            stamp = (current[0] + 1, self.replica_id)
+        elif stamp <= current:
+            return False
+        self.threshold_stamps[model] = stamp
         self.thresholds[model] = thresholds
         for worker in self.by_model.get(model, ()):
             self._recompute_limits(worker)
+        if local and self.on_thresholds is not None:
+            self.on_thresholds(model)
+        return True
 
     def _limits(self, worker: Worker, rank: Rank) -> RankLimits:
         return rank_limits(
@@ -380,6 +418,25 @@ class WorkerPool:
                 rank.limits, rank.decode_blocks, rank.prefill_tokens
             )
         self._refresh_worker(worker)
+
+    def refresh_rank(self, worker: Worker, rank: Rank) -> None:
+        """Recompute a rank's busy flag after its load or estimate changed."""
+        self._refresh_rank(worker, rank)
+
+    def _estimates_changed(self) -> None:
+        self.estimates_version += 1
+        if self.on_estimates is not None:
+            self.on_estimates()
+
+    def own_estimates(self) -> list[tuple[str, int, int, int, int]]:
+        """This replica's estimate per rank with requests in flight:
+        (worker_id, dp_rank, in flight, blocks, prefill tokens)."""
+        return [
+            (w.worker_id, r.index, r.inflight, r.est_blocks, r.est_prefill)
+            for w in self.workers.values()
+            for r in w.ranks
+            if r.inflight
+        ]
 
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
         reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
@@ -403,6 +460,7 @@ class WorkerPool:
         rank.est_blocks += blocks
         rank.est_prefill += prompt_tokens
         self._refresh_rank(worker, rank)
+        self._estimates_changed()
         return Ticket(worker, rank, prompt_tokens, blocks, 0, True, self.clock())
 
     def generated(self, ticket: Ticket, tokens: int) -> None:
@@ -420,6 +478,7 @@ class WorkerPool:
             rank.est_blocks += blocks - ticket.blocks
             ticket.blocks = blocks
         self._refresh_rank(ticket.worker, rank)
+        self._estimates_changed()
         if first and self.on_capacity is not None:
             self.on_capacity(ticket.worker.model)
 
@@ -431,6 +490,7 @@ class WorkerPool:
         rank = ticket.rank
         rank.est_prefill -= ticket.prompt_tokens
         self._refresh_rank(ticket.worker, rank)
+        self._estimates_changed()
         if self.on_capacity is not None:
             self.on_capacity(ticket.worker.model)
 
@@ -449,6 +509,7 @@ class WorkerPool:
         prev = self._duration_ewma.get(model)
         self._duration_ewma[model] = duration if prev is None else prev * 0.9 + duration * 0.1
         self._refresh_rank(ticket.worker, rank)
+        self._estimates_changed()
         if self.on_capacity is not None:
             self.on_capacity(model)
 

@@ -13,10 +13,12 @@ Publishers encode with :func:`encode`; the subscriber decodes with
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
 
+from extproc.core.busy import MAX_TOKEN_THRESHOLD
 from extproc.core.endpoint import parse_endpoint
 
 WIRE_VERSION = 1
@@ -28,6 +30,10 @@ WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TOPIC_CONFIG = b"config"
 TOPIC_LOAD = b"load"
 TOPIC_BYE = b"bye"
+# Between extproc replicas (docs/replicas.md).
+TOPIC_ESTIMATE = b"estimate"
+TOPIC_THRESHOLDS = b"thresholds"
+TOPIC_REPLICA_BYE = b"replica_bye"
 
 
 class ConfigEvent(msgspec.Struct, kw_only=True, frozen=True):
@@ -63,7 +69,41 @@ class ByeEvent(msgspec.Struct, kw_only=True, frozen=True):
     v: int = WIRE_VERSION
 
 
-Event = ConfigEvent | LoadEvent | ByeEvent
+ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+RankIndex = Annotated[int, msgspec.Meta(ge=0, le=4095)]
+
+
+class EstimateEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """One extproc replica's whole router estimate: per rank with requests in flight,
+    ``[worker_id, dp_rank, in_flight, blocks, prefill_tokens]``. Replaces its previous one."""
+
+    replica_id: ReplicaId
+    ranks: list[tuple[WorkerId, RankIndex, NonNegInt, NonNegInt, NonNegInt]] = []
+    v: int = WIRE_VERSION
+
+
+class ThresholdsEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """A model's thresholds as changed on ``writer`` at ``version`` (null = off); the newest
+    (version, writer) wins on every replica."""
+
+    replica_id: ReplicaId
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    writer: Annotated[str, msgspec.Meta(max_length=128)]
+    active_decode_blocks_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    active_prefill_tokens_threshold: NonNegInt | None = None
+    active_prefill_tokens_threshold_frac: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    v: int = WIRE_VERSION
+
+
+class ReplicaByeEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """The extproc replica stops now: drop its estimate."""
+
+    replica_id: ReplicaId
+    v: int = WIRE_VERSION
+
+
+Event = ConfigEvent | LoadEvent | ByeEvent | EstimateEvent | ThresholdsEvent | ReplicaByeEvent
 
 
 class EventRejected(Exception):
@@ -93,11 +133,15 @@ DROP_REASONS = (
     DROP_NOT_ALLOWED,
 )
 
-_TYPES: dict[bytes, type[ConfigEvent] | type[LoadEvent] | type[ByeEvent]] = {
+_TYPES: dict[bytes, type[Event]] = {
     TOPIC_CONFIG: ConfigEvent,
     TOPIC_LOAD: LoadEvent,
     TOPIC_BYE: ByeEvent,
+    TOPIC_ESTIMATE: EstimateEvent,
+    TOPIC_THRESHOLDS: ThresholdsEvent,
+    TOPIC_REPLICA_BYE: ReplicaByeEvent,
 }
+_TOPICS = {cls: topic for topic, cls in _TYPES.items()}
 _MSGPACK = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 _JSON = {t: msgspec.json.Decoder(cls) for t, cls in _TYPES.items()}
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -122,17 +166,19 @@ def decode(topic: bytes, payload: bytes) -> Event:
             parse_endpoint(event.endpoint)
         except ValueError as exc:
             raise EventRejected(DROP_ENDPOINT, str(exc)) from None
+    elif type(event) is ThresholdsEvent:
+        frac = event.active_prefill_tokens_threshold_frac
+        if frac is not None and not math.isfinite(frac):
+            raise EventRejected(DROP_SCHEMA, f"active_prefill_tokens_threshold_frac={frac}")
+        tokens = event.active_prefill_tokens_threshold
+        if tokens is not None and tokens > MAX_TOKEN_THRESHOLD:
+            raise EventRejected(DROP_SCHEMA, f"active_prefill_tokens_threshold={tokens}")
     return event
 
 
 def encode(event: Event) -> list[bytes]:
     """The two frames ``[topic, msgpack payload]`` of an event, unset keys omitted."""
-    if type(event) is ConfigEvent:
-        topic = TOPIC_CONFIG
-    elif type(event) is LoadEvent:
-        topic = TOPIC_LOAD
-    else:
-        topic = TOPIC_BYE
+    topic = _TOPICS[type(event)]
     fields = {
         k: getattr(event, k) for k in event.__struct_fields__ if getattr(event, k) is not None
     }

@@ -15,16 +15,22 @@ from typing import Any
 import aiozmq
 import zmq
 
+from extproc.core.busy import BusyThresholds
+from extproc.core.peers import PeerEstimates
 from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
 from extproc.events.curve import CurveServer
 from extproc.events.schema import (
     DROP_FRAMES,
     DROP_NOT_ALLOWED,
     DROP_SCHEMA,
+    ByeEvent,
     ConfigEvent,
+    EstimateEvent,
     Event,
     EventRejected,
     LoadEvent,
+    ReplicaByeEvent,
+    ThresholdsEvent,
     decode,
 )
 from extproc.metrics.registry import Metrics
@@ -44,8 +50,10 @@ class EventBindError(RuntimeError):
 DRAIN_BATCH = 16
 
 
-def apply_event(pool: WorkerPool, event: Event) -> None:
-    """Hand one validated event to the pool; a refusal becomes :class:`EventRejected`."""
+def apply_event(pool: WorkerPool, event: Event, peers: PeerEstimates | None = None) -> None:
+    """Hand one validated event to the pool; a refusal becomes :class:`EventRejected`.
+
+    Messages of other extproc replicas apply only when sharing is on (``peers``)."""
     try:
         if type(event) is LoadEvent:
             pool.report_load(
@@ -74,8 +82,22 @@ def apply_event(pool: WorkerPool, event: Event) -> None:
                     event.endpoint,
                     other,
                 )
-        else:
+        elif type(event) is ByeEvent:
             pool.leave(event.worker_id)
+        elif peers is None or getattr(event, "replica_id", None) == pool.replica_id:
+            return  # sharing is off, or our own message echoed back by a forwarder
+        elif type(event) is EstimateEvent:
+            peers.snapshot(event.replica_id, event.ranks)
+        elif type(event) is ThresholdsEvent:
+            thresholds = BusyThresholds(
+                event.active_decode_blocks_threshold,
+                event.active_prefill_tokens_threshold,
+                event.active_prefill_tokens_threshold_frac,
+            )
+            pool.set_thresholds(event.model, thresholds, (event.version, event.writer))
+        else:
+            assert type(event) is ReplicaByeEvent
+            peers.leave(event.replica_id)
     except EndpointNotAllowed as exc:
         raise EventRejected(DROP_NOT_ALLOWED, str(exc)) from None
     except RankOutOfRange as exc:
@@ -123,8 +145,10 @@ class EventSubscriber:
         metrics: Metrics,
         rcvhwm: int = 200_000,
         curve: CurveServer | None = None,
+        peers: PeerEstimates | None = None,
     ) -> None:
         self.pool = pool
+        self.peers = peers
         self.metrics = metrics
         self.rcvhwm = rcvhwm
         self.curve = curve
@@ -161,7 +185,7 @@ class EventSubscriber:
             if len(frames) != 2:
                 raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
             topic = frames[0]
-            apply_event(self.pool, decode(topic, frames[1]))
+            apply_event(self.pool, decode(topic, frames[1]), self.peers)
         except EventRejected as exc:
             self.metrics.dropped[exc.reason].inc()
             if log.isEnabledFor(logging.DEBUG):

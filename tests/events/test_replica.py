@@ -1,0 +1,148 @@
+"""Two extproc replicas sharing estimates and thresholds through a real forwarder process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.core.busy import BusyThresholds
+from extproc.core.peers import PeerEstimates
+from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import Routed, Scheduler
+from extproc.events.publisher import EventPublisher
+from extproc.events.replica import ReplicaPublisher
+from extproc.events.schema import ConfigEvent
+from extproc.events.subscriber import EventSubscriber
+from extproc.metrics.registry import Metrics
+from tests.support.stack import free_port
+
+
+async def until(cond: Callable[[], object], timeout: float = 5.0, what: str = "") -> float:
+    """Wait for ``cond``; returns the seconds it took."""
+    started = time.monotonic()
+    while not cond():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.001)
+    return time.monotonic() - started
+
+
+@dataclass
+class Replica:
+    pool: WorkerPool
+    peers: PeerEstimates
+    sub: EventSubscriber
+    pub: ReplicaPublisher
+
+
+@pytest.fixture
+async def forwarder() -> AsyncIterator[tuple[str, str]]:
+    xsub, xpub = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc.events.forwarder", "--xsub", xsub, "--xpub", xpub],
+        stderr=subprocess.PIPE,
+    )
+    yield xsub, xpub
+    proc.terminate()
+    assert proc.wait(5) == 0
+
+
+async def replica(name: str, xsub: str, xpub: str, ttl: float = 1.0) -> Replica:
+    pool = WorkerPool(BusyThresholds(None, 1000))
+    pool.replica_id = name
+    peers = PeerEstimates(pool, ttl=ttl)
+    sub = EventSubscriber(pool, Metrics(), peers=peers)
+    await sub.start([], [xpub])
+    pub = ReplicaPublisher(pool, [xsub], interval=0.2)
+    await pub.start()
+    return Replica(pool, peers, sub, pub)
+
+
+async def test_estimates_and_thresholds_reach_the_other_replica(
+    forwarder: tuple[str, str],
+) -> None:
+    xsub, xpub = forwarder
+    a, b = await replica("r-a", xsub, xpub), await replica("r-b", xsub, xpub)
+    worker = EventPublisher(
+        xsub, ConfigEvent(worker_id="w", model="m", endpoint="127.0.0.1:9", kv_total_blocks=100)
+    )
+    try:
+        await worker.start()
+        await until(lambda: "w" in a.pool.workers and "w" in b.pool.workers, what="worker")
+        # A burst dispatched on A shows on B as A's estimate, before any load report.
+        sched = Scheduler(a.pool)
+        tickets = []
+        for _ in range(3):
+            decision = sched.decide("m", 300)
+            assert isinstance(decision, Routed)
+            tickets.append(decision.ticket)
+        rank_b = b.pool.workers["w"].ranks[0]
+        await until(lambda: rank_b.peer_inflight == 3, what="A's estimate on B")
+        assert rank_b.prefill_tokens == 900 and not b.pool.workers["w"].busy
+        decision = Scheduler(b.pool).decide("m", 200)  # 1100 > 1000 on both replicas
+        assert isinstance(decision, Routed)
+        await until(lambda: a.pool.workers["w"].busy, what="B's request makes w busy on A")
+        assert b.pool.workers["w"].busy
+        for t in tickets:
+            a.pool.release(t)
+        await until(lambda: rank_b.peer_inflight == 0, what="A's release on B")
+        b.pool.release(decision.ticket)
+        # A threshold change on B applies on A.
+        b.pool.set_thresholds("m", BusyThresholds(0.5, None, None))
+        took = await until(
+            lambda: a.pool.thresholds_for("m") == BusyThresholds(0.5), what="threshold on A"
+        )
+        assert took < 0.1
+        # A replica that joins later learns the current values from the heartbeat.
+        c = await replica("r-c", xsub, xpub)
+        try:
+            await until(lambda: c.pool.thresholds_for("m") == BusyThresholds(0.5), what="join")
+        finally:
+            await c.pub.close()
+            c.sub.close()
+    finally:
+        await worker.close()
+        for r in (a, b):
+            await r.pub.close()
+            r.sub.close()
+
+
+async def test_a_replica_that_says_bye_or_goes_silent_is_dropped(
+    forwarder: tuple[str, str],
+) -> None:
+    xsub, xpub = forwarder
+    a, b = await replica("r-a", xsub, xpub), await replica("r-b", xsub, xpub, ttl=0.6)
+    worker = EventPublisher(xsub, ConfigEvent(worker_id="w", model="m", endpoint="127.0.0.1:9"))
+    try:
+        await worker.start()
+        await until(lambda: "w" in a.pool.workers and "w" in b.pool.workers, what="worker")
+        decision = Scheduler(a.pool).decide("m", 10)
+        assert isinstance(decision, Routed)
+        rank_b = b.pool.workers["w"].ranks[0]
+        await until(lambda: rank_b.peer_inflight == 1, what="A's estimate on B")
+        await a.pub.close()  # says replica_bye
+        await until(lambda: rank_b.peer_inflight == 0, 0.5, "bye removes A's estimate")
+        # Silent (killed) replica: publishes, then stops without a bye.
+        a.pub = ReplicaPublisher(a.pool, [xsub], interval=0.2)
+        await a.pub.start()
+        await until(lambda: rank_b.peer_inflight == 1, what="A is back")
+        transport = a.pub._transport
+        a.pub._transport = None  # nothing more is sent, as if the process died
+        a.pub._heartbeat.cancel()  # type: ignore[union-attr]
+        # The service's sweeper calls expire() twice a second; here the wait does.
+        took = await until(
+            lambda: b.peers.expire() and rank_b.peer_inflight == 0, 3.0, "TTL drops silent A"
+        )
+        assert 0.3 < took < 2.0
+        transport.close()
+    finally:
+        await worker.close()
+        await b.pub.close()
+        a.sub.close()
+        b.sub.close()
