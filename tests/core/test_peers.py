@@ -21,9 +21,10 @@ class Clock:
         return self.t
 
 
-def make(
-    th: BusyThresholds = BusyThresholds(None, 1000),
-) -> tuple[WorkerPool, PeerEstimates, Clock]:
+PREFILL_1000 = BusyThresholds(None, 1000)
+
+
+def make(th: BusyThresholds = PREFILL_1000) -> tuple[WorkerPool, PeerEstimates, Clock]:
     clock = Clock()
     pool = WorkerPool(th, clock=clock)
     pool.replica_id = "me"

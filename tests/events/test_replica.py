@@ -137,7 +137,7 @@ async def test_a_replica_that_says_bye_or_goes_silent_is_dropped(
         a.pub._heartbeat.cancel()  # type: ignore[union-attr]
         # The service's sweeper calls expire() twice a second; here the wait does.
         took = await until(
-            lambda: b.peers.expire() and rank_b.peer_inflight == 0, 3.0, "TTL drops silent A"
+            lambda: (b.peers.expire(), rank_b.peer_inflight == 0)[1], 3.0, "TTL drops silent A"
         )
         assert 0.3 < took < 2.0
         transport.close()
