@@ -13,19 +13,12 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import zmq
 
 log = logging.getLogger("extproc.events.forwarder")
-
-
-class _Stop(Exception):
-    """A stop signal arrived."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise _Stop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,18 +52,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         except zmq.ZMQError as exc:
             print(f"{parser.prog}: error: cannot bind {what} {endpoint}: {exc}", file=sys.stderr)
             return 1
-    # pyzmq runs Python signal handlers while zmq.proxy waits: SIGTERM and SIGINT end it.
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    # The proxy runs in a thread, steered over an inproc socket; this thread waits for
+    # SIGTERM or SIGINT and tells it to stop.
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    control = ctx.socket(zmq.PAIR)
+    control.bind("inproc://forwarder-control")
+    steer = ctx.socket(zmq.PAIR)
+    steer.connect("inproc://forwarder-control")
+    proxy = threading.Thread(
+        target=zmq.proxy_steerable, args=(xsub, xpub, None, steer), name="proxy"
+    )
+    proxy.start()
     log.info("forwarding events from %s to %s", args.xsub, args.xpub)
-    try:
-        zmq.proxy(xsub, xpub)
-    except _Stop:
-        log.info("stopping")
-    finally:
-        xsub.close()
-        xpub.close()
-        ctx.term()
+    signal.sigwait(stops)
+    log.info("stopping")
+    control.send(b"TERMINATE")
+    proxy.join(5)
+    for sock in (control, steer, xsub, xpub):
+        sock.close(linger=0)
+    ctx.term()
     return 0
 
 
