@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import Any
@@ -48,6 +49,10 @@ async def _post(
     return await asyncio.to_thread(call)
 
 
+def _depth_is(stack: Stack, n: int) -> bool:
+    return _depth(stack) == n
+
+
 def _depth(stack: Stack) -> float:
     return metric_value(stack.ext.metrics(), "extproc_router_queue_depth", {"model": "m"}) or 0
 
@@ -88,7 +93,7 @@ async def test_fifo_order(stack: Stack) -> None:
     waiters = []
     for i in range(3):
         waiters.append(asyncio.create_task(_post(stack, {"x-test-delay-ms": "50"})))
-        await asyncio.to_thread(wait_until, lambda n=i + 1: _depth(stack) == n, 5, "queued")
+        await asyncio.to_thread(wait_until, functools.partial(_depth_is, stack, i + 1), 5, "queued")
     results = await asyncio.gather(blocker, *waiters)
     assert all(r[0] == 200 for r in results)
     done = [r[1] for r in results[1:]]

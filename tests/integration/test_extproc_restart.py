@@ -61,8 +61,11 @@ def test_ready_means_the_workers_are_known_after_every_restart(
         extproc = Extproc(log_dir, ports=ports, wait_ready=False)
         try:
             health = extproc.admin + "/health"
-            wait_until(lambda url=health: http("GET", url, timeout=1)[0] == 200, 15,
-                       "the admin API")  # fmt: skip
+
+            def admin_up(url: str = health) -> bool:
+                return http("GET", url, timeout=1)[0] == 200
+
+            wait_until(admin_up, 15, "the admin API")
             # The grace: not ready, and the ext_proc port refuses connections (Envoy fails
             # open), for about a second.
             not_ready: list[float] = []
