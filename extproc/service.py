@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import signal
 import socket
 
@@ -14,8 +16,11 @@ from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
+from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
+from extproc.events.curve import REFUSED_REASONS, CurveClient, CurveServer, load_key_pair
+from extproc.events.replica import ReplicaPublisher
 from extproc.events.subscriber import EventBindError, EventSubscriber
 from extproc.handlers.processor import PROCESS_PATH, ExtProcHandler
 from extproc.handlers.router_queue import RouterQueue
@@ -78,11 +83,19 @@ def build_pool(settings: Settings) -> WorkerPool:
     )
 
 
-async def _sweep(pool: WorkerPool, interval: float) -> None:
+def replica_id(settings: Settings) -> str:
+    """The configured id, or one that is new at every start (host, pid, random)."""
+    return settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+async def _sweep(pool: WorkerPool, peers: PeerEstimates | None, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         for worker_id in pool.expire():
             log.info("worker %s removed: silent for more than %.1fs", worker_id, pool.worker_ttl)
+        if peers is not None:
+            for rid in peers.expire():
+                log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -128,13 +141,34 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         admin = f"{settings.admin_host}:{settings.admin_port}"
         raise StartupError(1, f"cannot listen for the admin API on {admin}: {exc}") from None
 
-    subscriber = EventSubscriber(pool, metrics)
+    pool.replica_id = replica_id(settings)
+    sharing = bool(settings.replica_publish)
+    peers = PeerEstimates(pool, settings.replica_ttl) if sharing else None
+    curve_server = curve_client = None
+    if settings.event_curve_secret_key and settings.event_curve_publishers:
+        for reason in REFUSED_REASONS:
+            metrics.refused[reason]
+        curve_server = CurveServer(
+            settings.event_curve_secret_key,
+            settings.event_curve_publishers,
+            lambda reason: metrics.refused[reason].inc(),
+        )
+        # Replicas share the server key pair; each publishes to the others as a client.
+        public, secret = load_key_pair(settings.event_curve_secret_key)
+        curve_client = CurveClient(public, secret, public)
+    subscriber = EventSubscriber(pool, metrics, curve=curve_server, peers=peers)
     try:
         await subscriber.start(settings.event_bind, settings.event_connect)
     except EventBindError as exc:
         raise StartupError(1, str(exc)) from None
     parts.callback(subscriber.close)
     readiness.events_bound = True
+    if sharing:
+        replicas = ReplicaPublisher(
+            pool, settings.replica_publish, interval=settings.replica_interval, curve=curve_client
+        )
+        await replicas.start()
+        parts.push_async_callback(replicas.close)
 
     try:
         tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
@@ -185,11 +219,12 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         metrics.watch_grpc(lambda: len(grpc_server.connections), lambda: grpc_server.closed_for)
     readiness.grpc_serving = True
     parts.callback(setattr, readiness, "grpc_serving", False)
-    sweeper = asyncio.create_task(_sweep(pool, min(0.5, settings.worker_ttl / 10)))
+    interval = min(0.5, settings.worker_ttl / 10, settings.replica_ttl / 4)
+    sweeper = asyncio.create_task(_sweep(pool, peers, interval))
     parts.callback(sweeper.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
-        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s",
+        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; replica %s%s",
         address,
         settings.grpc_server,
         settings.admin_host,
@@ -200,6 +235,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_prefill_tokens_threshold,
         settings.active_prefill_tokens_threshold_frac,
         settings.overload_status,
+        pool.replica_id,
+        f" sharing via {', '.join(settings.replica_publish)}" if sharing else " (not sharing)",
     )
     await stop.wait()
     log.info("shutting down")

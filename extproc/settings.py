@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from extproc.core.busy import MAX_TOKEN_THRESHOLD
@@ -29,6 +29,17 @@ ROUTER_MODES = ("kv", "round-robin", "random")
 ADMISSION_CONTROL_CHOICES = ("none", "token-capacity")
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
+
+
+def _loopback_endpoint(endpoint: str) -> bool:
+    """A ZMQ endpoint only this machine reaches: ipc://, inproc://, or tcp:// on loopback."""
+    from extproc.admin.auth import is_loopback_host
+
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return True
+    host = rest.rsplit(":", 1)[0]
+    return is_loopback_host(host)
 
 
 class SettingsError(ValueError):
@@ -121,6 +132,12 @@ SETTING_NAMES: dict[str, tuple[str, str]] = {
     "worker_ttl": ("--worker-ttl", "EXTPROC_WORKER_TTL"),
     "startup_grace": ("--startup-grace", "EXTPROC_STARTUP_GRACE"),
     "worker_allow": ("--worker-allow", "EXTPROC_WORKER_ALLOW"),
+    "event_curve_secret_key": ("--event-curve-secret-key", "EXTPROC_EVENT_CURVE_SECRET_KEY"),
+    "event_curve_publishers": ("--event-curve-publishers", "EXTPROC_EVENT_CURVE_PUBLISHERS"),
+    "replica_id": ("--replica-id", "EXTPROC_REPLICA_ID"),
+    "replica_publish": ("--replica-publish", "EXTPROC_REPLICA_PUBLISH"),
+    "replica_interval": ("--replica-interval", "EXTPROC_REPLICA_INTERVAL"),
+    "replica_ttl": ("--replica-ttl", "EXTPROC_REPLICA_TTL"),
     "tokenizer": ("--tokenizer", "EXTPROC_TOKENIZER"),
     "log_level": ("--log-level", "EXTPROC_LOG_LEVEL"),
 }
@@ -164,6 +181,18 @@ class Settings(BaseSettings):
     worker_ttl: float = Field(10.0, validation_alias="EXTPROC_WORKER_TTL")
     startup_grace: float = Field(1.0, validation_alias="EXTPROC_STARTUP_GRACE")
     worker_allow: list[str] = Field(default_factory=list, validation_alias="EXTPROC_WORKER_ALLOW")
+    event_curve_secret_key: str | None = Field(
+        None, validation_alias="EXTPROC_EVENT_CURVE_SECRET_KEY"
+    )
+    event_curve_publishers: str | None = Field(
+        None, validation_alias="EXTPROC_EVENT_CURVE_PUBLISHERS"
+    )
+    replica_id: str | None = Field(None, validation_alias="EXTPROC_REPLICA_ID")
+    replica_publish: list[str] = Field(
+        default_factory=list, validation_alias="EXTPROC_REPLICA_PUBLISH"
+    )
+    replica_interval: float = Field(1.0, validation_alias="EXTPROC_REPLICA_INTERVAL")
+    replica_ttl: float = Field(3.0, validation_alias="EXTPROC_REPLICA_TTL")
     tokenizer: str | None = Field(None, validation_alias="EXTPROC_TOKENIZER")
     log_level: str = Field("INFO", validation_alias="EXTPROC_LOG_LEVEL")
     overload_status: int = 529
@@ -270,12 +299,66 @@ class Settings(BaseSettings):
             raise ValueError("expected seconds in [0, 60]")
         return value
 
-    @field_validator("event_bind", "event_connect", "worker_allow", mode="before")
+    @field_validator("event_curve_secret_key", mode="before")
+    @classmethod
+    def _curve_secret(cls, v: Any) -> str | None:
+        from extproc.events.curve import CurveKeyError, load_key_pair
+
+        if v is None or str(v).strip() in _DISABLED:
+            return None
+        try:
+            load_key_pair(str(v).strip())
+        except CurveKeyError as exc:
+            raise ValueError(f"expected a CURVE secret key file: {exc}") from None
+        return str(v).strip()
+
+    @field_validator("event_curve_publishers", mode="before")
+    @classmethod
+    def _curve_publishers(cls, v: Any) -> str | None:
+        from extproc.events.curve import CurveKeyError, check_publisher_dir
+
+        if v is None or str(v).strip() in _DISABLED:
+            return None
+        try:
+            check_publisher_dir(str(v).strip())
+        except CurveKeyError as exc:
+            raise ValueError(f"expected a directory of publisher public keys: {exc}") from None
+        return str(v).strip()
+
+    @field_validator("replica_id", mode="before")
+    @classmethod
+    def _replica_id(cls, v: Any) -> str | None:
+        if v is None or not str(v).strip():
+            return None
+        text = str(v).strip()
+        if len(text) > 128 or any(c.isspace() for c in text):
+            raise ValueError("expected at most 128 characters without spaces")
+        return text
+
+    @field_validator("replica_interval", mode="before")
+    @classmethod
+    def _replica_interval(cls, v: Any) -> float:
+        value = _opt_float(v, 0.0, 60.0, "seconds in (0, 60]")
+        if not value:
+            raise ValueError("expected seconds in (0, 60]")
+        return value
+
+    @field_validator("replica_ttl", mode="before")
+    @classmethod
+    def _replica_ttl(cls, v: Any) -> float:
+        value = _opt_float(v, 0.0, 3600.0, "seconds in (0, 3600]")
+        if not value:
+            raise ValueError("expected seconds in (0, 3600]")
+        return value
+
+    @field_validator(
+        "event_bind", "event_connect", "worker_allow", "replica_publish", mode="before"
+    )
     @classmethod
     def _list(cls, v: Any) -> list[str]:
         return _split_list(v)
 
-    @field_validator("event_bind", "event_connect")
+    @field_validator("event_bind", "event_connect", "replica_publish")
     @classmethod
     def _zmq_endpoints(cls, v: list[str]) -> list[str]:
         for endpoint in v:
@@ -316,9 +399,36 @@ class Settings(BaseSettings):
     def kv_mode(self) -> bool:
         return self.router_mode == "kv"
 
+    @model_validator(mode="after")
+    def _together(self) -> Settings:
+        if (self.event_curve_secret_key is None) != (self.event_curve_publishers is None):
+            raise ValueError(
+                "--event-curve-secret-key (EXTPROC_EVENT_CURVE_SECRET_KEY) and "
+                "--event-curve-publishers (EXTPROC_EVENT_CURVE_PUBLISHERS) go together: "
+                "CURVE needs the server key and the admitted publishers"
+            )
+        if not self.event_bind and not self.event_connect:
+            raise ValueError(
+                "--event-bind (EXTPROC_EVENT_BIND) and --event-connect (EXTPROC_EVENT_CONNECT) "
+                "are both empty: the event socket needs at least one endpoint"
+            )
+        return self
+
+    @property
+    def curve(self) -> bool:
+        return self.event_curve_secret_key is not None
+
     def startup_warnings(self) -> list[str]:
         """The one-line warnings to log once at startup."""
         warnings = []
+        if not self.curve:
+            wide = [e for e in self.event_bind if not _loopback_endpoint(e)]
+            if wide:
+                warnings.append(
+                    f"the event socket listens beyond loopback ({', '.join(wide)}) without "
+                    "CURVE: anyone who reaches it can announce workers and report load; "
+                    "see --event-curve-secret-key and --event-curve-publishers"
+                )
         if self.admission_control is not None:
             warnings.append(
                 f"--admission-control={self.admission_control} (DYN_ADMISSION_CONTROL) is "
@@ -490,6 +600,52 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CIDR|HOST:PORT",
         action="append",
     )
+    add(
+        events,
+        "event_curve_secret_key",
+        "ZeroMQ CURVE: the extproc's secret key file (NAME.key_secret from python -m "
+        "extproc.events.keys); with --event-curve-publishers, only admitted publishers "
+        "are heard. Default: off (plain TCP)",
+        metavar="FILE",
+    )
+    add(
+        events,
+        "event_curve_publishers",
+        "ZeroMQ CURVE: directory of the admitted publishers' public key files (*.key). "
+        "Default: off",
+        metavar="DIR",
+    )
+
+    replicas = parser.add_argument_group(
+        "replicas (share in-flight estimates and threshold changes; docs/replicas.md)"
+    )
+    add(
+        replicas,
+        "replica_publish",
+        "ZMQ endpoint(s) this replica publishes its estimates to: a forwarder's XSUB port or "
+        "the other replicas' event sockets; comma-separated or repeated. Default: none "
+        "(sharing off)",
+        metavar="ENDPOINT",
+        action="append",
+    )
+    add(
+        replicas,
+        "replica_id",
+        "this replica's id on the event plane. Default: host-pid-random, new at each start",
+        metavar="ID",
+    )
+    add(
+        replicas,
+        "replica_interval",
+        "seconds between full estimate snapshots (changes go out at once). Default: 1",
+        metavar="SECONDS",
+    )
+    add(
+        replicas,
+        "replica_ttl",
+        "seconds of silence after which another replica's estimate is dropped. Default: 3",
+        metavar="SECONDS",
+    )
 
     misc = parser.add_argument_group("logging")
     add(misc, "log_level", "DEBUG, INFO, WARNING or ERROR. Default: INFO", metavar="LEVEL")
@@ -519,7 +675,10 @@ def load_settings(
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "?"
+            if not err["loc"]:
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
+            name = str(err["loc"][0])
             where = source.get(name, name)
             raw = values.get(name)
             msg = str(err["msg"]).removeprefix("Value error, ")

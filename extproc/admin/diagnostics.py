@@ -61,6 +61,11 @@ def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str,
             "active_decode_blocks": rank.est_blocks,
             "active_prefill_tokens": rank.est_prefill,
         },
+        "other_replicas_estimate": {
+            "requests_in_flight": rank.peer_inflight,
+            "active_decode_blocks": rank.peer_blocks,
+            "active_prefill_tokens": rank.peer_prefill,
+        },
         "effective": {
             "active_decode_blocks": rank.decode_blocks,
             "active_prefill_tokens": rank.prefill_tokens,
