@@ -165,7 +165,11 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     readiness.events_bound = True
     if sharing:
         replicas = ReplicaPublisher(
-            pool, settings.replica_publish, interval=settings.replica_interval, curve=curve_client
+            pool,
+            settings.replica_publish,
+            interval=settings.replica_interval,
+            curve=curve_client,
+            on_sent=lambda topic: metrics.replica_topic[topic].inc(),
         )
         await replicas.start()
         parts.push_async_callback(replicas.close)

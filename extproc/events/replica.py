@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiozmq
@@ -36,8 +36,9 @@ class ReplicaPublisher:
         endpoints: Sequence[str],
         *,
         interval: float = 1.0,
-        min_gap: float = 0.002,
+        min_gap: float = 0.0005,
         curve: CurveClient | None = None,
+        on_sent: Callable[[str], None] | None = None,
     ) -> None:
         if not pool.replica_id:
             raise ValueError("replica sharing needs the pool's replica_id")
@@ -46,6 +47,7 @@ class ReplicaPublisher:
         self.interval = interval
         self.min_gap = min_gap
         self.curve = curve
+        self.on_sent = on_sent
         self.sent = 0
         self._transport: Any = None
         self._pending: asyncio.TimerHandle | None = None
@@ -108,8 +110,11 @@ class ReplicaPublisher:
         if self._transport is None:
             return
         try:
-            self._transport.write(encode(event))
+            frames = encode(event)
+            self._transport.write(frames)
             self.sent += 1
+            if self.on_sent is not None:
+                self.on_sent(frames[0].decode())
         except zmq.ZMQError as exc:  # pragma: no cover - PUB drops rather than fails
             log.warning("cannot send a replica message: %s", exc)
 

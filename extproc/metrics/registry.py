@@ -78,6 +78,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.replica_sent = Counter(
+            "extproc_replica_messages_sent",
+            "Messages this replica sent to the other replicas, by topic (estimate, "
+            "thresholds, replica_bye).",
+            ["topic"],
+            registry=r,
+        )
         self.events_lost = Counter(
             "extproc_events_lost", "Load events lost (gaps in per-worker seq).", registry=r
         )
@@ -103,6 +110,7 @@ class Metrics:
         self.topic = _Children(self.events)
         self.dropped = _Children(self.events_dropped)
         self.refused = _Children(self.events_refused)
+        self.replica_topic = _Children(self.replica_sent)
 
     def attach(
         self, pool: WorkerPool, queue_depth: Callable[[], dict[str, int]] | None = None
