@@ -102,6 +102,30 @@ class CurveClient:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
 
 
+# One ZAP handler per ZeroMQ context (libzmq allows one); each server socket has its own
+# ZAP domain in it, with its own admitted keys. context address -> (handler, sockets).
+_ZAP: dict[int, tuple[AsyncioAuthenticator, int]] = {}
+
+
+def _zap_for(context: zmq.Context[Any]) -> AsyncioAuthenticator:
+    key = context.underlying
+    auth, users = _ZAP.get(key, (None, 0))
+    if auth is None:
+        auth = AsyncioAuthenticator(context=zmq.asyncio.Context.shadow(key), log=log)
+        auth.start()
+    _ZAP[key] = (auth, users + 1)
+    return auth
+
+
+def _zap_release(context: zmq.Context[Any]) -> None:
+    key = context.underlying
+    auth, users = _ZAP.pop(key)
+    if users > 1:
+        _ZAP[key] = (auth, users - 1)
+    else:
+        auth.stop()
+
+
 class CurveServer:
     """The extproc's side: the server key pair, the admitted keys, the refusal count."""
 
@@ -114,16 +138,16 @@ class CurveServer:
         self.public, self.secret = load_key_pair(secret_file)
         self.publishers = check_publisher_dir(publishers_dir)
         self.on_refused = on_refused
-        self._auth: AsyncioAuthenticator | None = None
+        self._context: zmq.Context[Any] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._watch: asyncio.Task[None] | None = None
 
     def start(self, sock: zmq.Socket[bytes]) -> None:
         """Make ``sock`` a CURVE server (before it binds or connects) and answer ZAP."""
-        actx = zmq.asyncio.Context.shadow(sock.context.underlying)
-        auth = self._auth = AsyncioAuthenticator(context=actx, log=log)
-        auth.start()
-        auth.configure_curve(domain="*", location=str(self.publishers))
+        self._context = sock.context
+        domain = f"extproc-{id(self):x}"
+        _zap_for(sock.context).configure_curve(domain=domain, location=str(self.publishers))
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
@@ -154,6 +178,6 @@ class CurveServer:
             with contextlib.suppress(zmq.ZMQError):
                 self._monitor.close(linger=0)
             self._monitor = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        if self._context is not None:
+            _zap_release(self._context)
+            self._context = None

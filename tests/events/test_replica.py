@@ -146,3 +146,70 @@ async def test_a_replica_that_says_bye_or_goes_silent_is_dropped(
         await b.pub.close()
         a.sub.close()
         b.sub.close()
+
+
+async def test_replica_messages_are_authenticated_with_curve(tmp_path: object) -> None:
+    """Direct topology with CURVE: replicas share one server key pair and admit it."""
+    from pathlib import Path
+
+    from extproc.events.curve import CurveClient, CurveServer
+    from extproc.events.keys import main as keys_main
+
+    keys = Path(str(tmp_path)) / "keys"
+    admitted = Path(str(tmp_path)) / "publishers"
+    admitted.mkdir()
+    for name in ("extproc", "stranger"):
+        assert keys_main([str(keys), name]) == 0
+    (admitted / "extproc.key").write_bytes((keys / "extproc.key").read_bytes())
+    secret = keys / "extproc.key_secret"
+    replicas = []
+    for name in ("r-a", "r-b"):
+        pool = WorkerPool(BusyThresholds(None, 1000))
+        pool.replica_id = name
+        metrics = Metrics()
+        server = CurveServer(secret, admitted, lambda r, m=metrics: m.refused[r].inc())
+        sub = EventSubscriber(pool, metrics, curve=server, peers=PeerEstimates(pool, ttl=5))
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        await sub.start([endpoint], [])
+        replicas.append((pool, metrics, sub, endpoint))
+    (pool_a, _, sub_a, _), (pool_b, metrics_b, sub_b, endpoint_b) = replicas
+    pool_a.announce("w", model="m", endpoint="127.0.0.1:9")
+    pool_b.announce("w", model="m", endpoint="127.0.0.1:9")
+    own = CurveClient.from_files(secret, keys / "extproc.key")
+    stranger = CurveClient.from_files(keys / "stranger.key_secret", keys / "extproc.key")
+    pub_a = ReplicaPublisher(pool_a, [endpoint_b], interval=0.2, curve=own)
+    pool_x = WorkerPool(BusyThresholds())
+    pool_x.replica_id = "intruder"
+    pool_x.announce("w", model="m", endpoint="127.0.0.1:9")
+    pub_x = ReplicaPublisher(pool_x, [endpoint_b], interval=0.2, curve=stranger)
+    try:
+        await pub_a.start()
+        await pub_x.start()
+        Scheduler(pool_x).decide("m", 5000)  # the intruder claims a full worker
+        decision = Scheduler(pool_a).decide("m", 300)
+        assert isinstance(decision, Routed)
+        rank_b = pool_b.workers["w"].ranks[0]
+        await until(lambda: rank_b.peer_inflight == 1, what="A's estimate on B")
+        await until(
+            lambda: (
+                (
+                    metrics_b.registry.get_sample_value(
+                        "extproc_events_refused_total", {"reason": "unknown_key"}
+                    )
+                    or 0
+                )
+                >= 1
+            ),
+            what="the intruder refused",
+        )
+        assert rank_b.peer_prefill == 300 and "intruder" not in dict(b_peers(sub_b))
+    finally:
+        await pub_a.close()
+        await pub_x.close()
+        sub_a.close()
+        sub_b.close()
+
+
+def b_peers(sub: EventSubscriber) -> dict[str, int]:
+    assert sub.peers is not None
+    return sub.peers.inflight()
