@@ -19,6 +19,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from extproc.devstack import AgentProcess, SimProcess, free_port
+from extproc.devstack import async_wait_until as wait_until
 from extproc.events.schema import ByeEvent, ConfigEvent, LoadEvent
 from llmworker.agent import Agent, AgentSettings, RankLoad, parse_args, worker_view
 from llmworker.engine_metrics import (
@@ -29,7 +31,7 @@ from llmworker.engine_metrics import (
     parse_engine_metrics,
     parse_text,
 )
-from tests.llmworker.support import AgentProcess, SimProcess, Subscriber, free_port, wait_until
+from tests.llmworker.support import Subscriber
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm_metrics.txt").read_text()
@@ -364,8 +366,8 @@ async def test_against_the_sim_load_follows_requests_and_sigterm_says_bye() -> N
             idle = await sub.next_of(LoadEvent)
         assert (idle.active_decode_blocks, idle.active_prefill_tokens) == (0, 0)
     finally:
-        code, err = agent.terminate()
-        sim.terminate()
+        code, err = agent.stop(), agent.log()
+        sim.stop()
         print(err, file=sys.stderr)  # shown when the test fails
     try:
         assert await sub.next_of(ByeEvent) == ByeEvent(worker_id="agent-a")
@@ -455,8 +457,8 @@ async def test_proxy_admits_n_plus_q_and_rejects_the_rest_at_once() -> None:
             aborted = await _gauge(http, agent_port, "vllm:generation_tokens_total") - generated
             assert aborted < 900, "the proxy read the abandoned stream to its end"
     finally:
-        code, err = agent.terminate()
-        sim.terminate()
+        code, err = agent.stop(), agent.log()
+        sim.stop()
         sub.close()
         print(err, file=sys.stderr)  # shown when the test fails
     assert code == 0, err
