@@ -177,12 +177,16 @@ def test_waiting_requests_without_a_known_prompt_length_leave_prefill_unreported
         (
             "vllm",
             'vllm:num_requests_running{engine="0" 3.0\n',
-            "line 1: the label set is not closed",
+            "line 1: not valid Prometheus text",
         ),
-        ("vllm", "# HELP x y\nvllm:kv_cache_usage_perc 0.1 0.2 0.3\n", "line 2: expected at most"),
-        ("vllm", 'vllm:kv_cache_usage_perc{engine="0"} high\n', "expected a number"),
-        ("vllm", "vllm:kv_cache_usage_perc{engine=0} 1\n", 'name="value" pairs'),
-        ("vllm", "<html><body>Not Found</body></html>\n", "line 1: expected a metric name"),
+        ("vllm", "# HELP x y\nvllm:kv_cache_usage_perc 0.1 0.2x\n", "line 2: not valid Prometheus"),
+        ("vllm", 'vllm:kv_cache_usage_perc{engine="0"} high\n', "convert string to float: 'high'"),
+        ("vllm", "vllm:kv_cache_usage_perc{engine=0} 1\n", "Invalid labels: engine=0"),
+        (
+            "vllm",
+            "<html><body>Not Found</body></html>\n",
+            "line 1: not valid Prometheus text (invalid metric name",
+        ),
         ("vllm", "", "no vllm:kv_cache_usage_perc"),
         ("vllm", SGLANG_TEXT, "is this a vLLM /metrics page"),
         ("sglang", VLLM_TEXT, "started with --enable-metrics"),
@@ -273,7 +277,10 @@ async def test_malformed_metrics_publish_nothing_and_are_logged_once(
         assert await sub.drain(0.1) == []
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, warnings
-        assert f"malformed metrics: line {bad_line + 1}: expected labels as" in warnings[0]
+        assert (
+            f"malformed metrics: line {bad_line + 1}: not valid Prometheus text (Invalid labels"
+            in warnings[0]
+        )
         fake_engine.text = VLLM_TEXT
         config = await sub.next_of(ConfigEvent)
         assert (config.kv_total_blocks, config.block_size, config.dp_size) == (27355, 16, 2)
