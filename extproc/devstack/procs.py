@@ -93,7 +93,7 @@ class ProcessExited(AssertionError):
     """A child process exited while it was waited for."""
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_until(cond: Callable[..., Any], timeout: float = 10.0, what: str = "condition") -> Any:
     """Poll ``cond`` until it returns a truthy value; WaitTimeout names ``what`` after
     ``timeout`` seconds. ProcessExited raised by ``cond`` stops the wait at once."""
     deadline = time.monotonic() + timeout
@@ -250,7 +250,7 @@ class Proc:
         fd = self._log.fileno()  # pread: the child shares the file offset
         return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
-    def stop(self, timeout: float = 10.0) -> int | None:
+    def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, wait up to ``timeout`` s, else SIGKILL; the exit code."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -263,7 +263,7 @@ class Proc:
             if self.log_path is None:
                 self._final_log = self.log()
             self._log.close()
-        return self.popen.returncode
+        return self.popen.wait()  # it has exited: the code at once
 
 
 def python_module(module: str, args: Sequence[str] = ()) -> list[str]:
@@ -329,7 +329,7 @@ class Extproc:
     def metrics(self) -> str:
         return http("GET", self.admin + "/metrics")[2].decode()
 
-    def stop(self) -> int | None:
+    def stop(self) -> int:
         return self.proc.stop()
 
 
@@ -430,7 +430,7 @@ class Envoy:
         status, _, body = http("GET", f"http://127.0.0.1:{self.admin_port}/ready", timeout=1)
         return status == 200 and body.strip() == b"LIVE"
 
-    def stop(self) -> int | None:
+    def stop(self) -> int:
         return self.proc.stop()
 
 

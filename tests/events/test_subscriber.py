@@ -230,7 +230,7 @@ async def _backlog(pool: WorkerPool, name: str, messages: list[list[bytes]]) -> 
 
     inproc on aiozmq's own context: a send lands in the SUB's queue at once, so the whole
     list is waiting when the loop next turns."""
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.connect(name)

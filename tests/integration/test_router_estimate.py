@@ -37,7 +37,7 @@ def test_burst_spreads_across_workers_and_fills_them_before_any_report(stack: St
     hold = {"x-test-delay-ms": "2500"}
 
     def one(_: int) -> tuple[int, str | None]:
-        status, headers, _ = http(
+        status, headers, _body = http(
             "POST", stack.envoy.url + "/v1/completions", body, hold, timeout=20
         )
         return status, headers.get("x-worker-id")
