@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,14 @@ def test_proc_keeps_its_output_and_stops_by_pid(tmp_path: Path) -> None:
 def test_wait_until_names_what_it_waited_for() -> None:
     with pytest.raises(WaitTimeout, match=r"timed out after 0.1s waiting for the moon"):
         wait_until(lambda: False, 0.1, "the moon")
+
+
+def test_the_harness_does_not_import_the_worker_side() -> None:
+    """The router package starts llmworker as a subprocess only, never imports it."""
+    code = (
+        "import sys, extproc.devstack, extproc.devstack.__main__, extproc.devstack.echo_worker\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llmworker'))"
+    )
+    run = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

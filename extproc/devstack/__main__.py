@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=None,
             new_session=True,
             ready_timeout=30,
+            name="envoy",
         )
         children.append(envoy.proc)
         print(USAGE.format(model=args.model, logs=logs), flush=True)

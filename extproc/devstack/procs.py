@@ -393,6 +393,7 @@ class Envoy:
         concurrency: int | None = 2,
         new_session: bool = False,
         ready_timeout: float = 20.0,
+        name: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.admin_port = admin_port or free_port()
@@ -411,7 +412,7 @@ class Envoy:
         args = [envoy_binary(), "-c", str(config), "--disable-hot-restart", "-l", "warning"]
         if concurrency:
             args += ["--concurrency", str(concurrency)]
-        self.proc = Proc(f"envoy-{self.port}", args, log_dir, new_session=new_session)
+        self.proc = Proc(name or f"envoy-{self.port}", args, log_dir, new_session=new_session)
         try:
             wait_until(self.ready, ready_timeout, "envoy ready")
         except WaitTimeout as exc:
