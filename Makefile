@@ -38,11 +38,11 @@ format: $(STAMP) ## Apply ruff fixes and formatting
 
 bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get install wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
-	$(PY) loadtest/bench.py $(ARGS)
+	$(PY) -m loadtest.bench $(ARGS)
 
 bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/without 50k events/s (wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
-	$(PY) loadtest/events_bench.py $(ARGS)
+	$(PY) -m loadtest.events_bench $(ARGS)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
@@ -61,7 +61,7 @@ loadtest: $(LOADTEST_STAMP) ## Locust, 20 users for 30 s, against `make demo` (H
 	@echo "reports: loadtest/reports/locust.html, loadtest/reports/locust_stats.csv"
 
 overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on (~4 min; docs/overload-*)
-	$(PY) loadtest/overload.py $(ARGS)
+	$(PY) -m loadtest.overload $(ARGS)
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"

@@ -2,10 +2,10 @@
 
 Two steps, both free of I/O so they are tested with plain strings:
 
-- :func:`parse_text` checks the Prometheus text exposition format line by line
-  and returns the samples by metric name. Anything that is not a comment, a
-  blank line or a well-formed sample raises :class:`MetricsParseError` naming
-  the line number, the line and what was expected.
+- :func:`parse_text` reads the Prometheus text exposition format with
+  prometheus_client's parser and returns the samples by metric name. Text the
+  parser rejects raises :class:`MetricsParseError` naming the line number, the
+  line and the parser's reason.
 - :func:`parse_vllm` / :func:`parse_sglang` (or :func:`parse_engine_metrics`)
   pick the series the sidecar agent needs and group them per data-parallel
   rank: vLLM labels ranks ``engine="0"``, ``"1"``, ...; SGLang with DP attention
@@ -22,10 +22,11 @@ Which series feed which field is listed in the module docstring of
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from prometheus_client.parser import text_fd_to_metric_families
 
 Engine = Literal["vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
@@ -71,90 +72,48 @@ class EngineSnapshot:
 
 
 # ---------------------------------------------------------------------------
-# Prometheus text exposition format
-
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL_NAME = r"[a-zA-Z_][a-zA-Z0-9_]*"
-_LABEL_VALUE = r'"(?:[^"\\\n]|\\.)*"'
-_LABEL = rf"[ \t]*{_LABEL_NAME}[ \t]*=[ \t]*{_LABEL_VALUE}[ \t]*"
-_NUMBER = r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[iI]nf|NaN|nan)"
-_SAMPLE = re.compile(
-    rf"({_NAME})[ \t]*(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?[ \t]*)\}})?"
-    rf"[ \t]+({_NUMBER})(?:[ \t]+-?\d+)?[ \t]*"
-)
-_LABEL_PAIR = re.compile(rf"[ \t]*({_LABEL_NAME})[ \t]*=[ \t]*\"((?:[^\"\\\n]|\\.)*)\"")
-_NAME_ONLY = re.compile(_NAME)
-_NUMBER_ONLY = re.compile(_NUMBER)
-_ESCAPE = re.compile(r"\\(.)")
-_ESCAPES = {"n": "\n", "\\": "\\", '"': '"'}
+# Prometheus text exposition format (prometheus_client's parser)
 
 
-def _unescape(value: str) -> str:
-    if "\\" not in value:
-        return value
-    return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), "\\" + m.group(1)), value)
+class _Lines:
+    """The lines of a text up to ``# EOF``, remembering which one was read last."""
 
+    def __init__(self, text: str) -> None:
+        self._lines = text.split("\n")
+        self.number = 0
 
-def _diagnose(line: str) -> str:
-    """What is wrong with a line that is not a valid sample."""
-    name = _NAME_ONLY.match(line)
-    if name is None:
-        return "expected a metric name ([a-zA-Z_:][a-zA-Z0-9_:]*) at the start"
-    rest = line[name.end() :].lstrip(" \t")
-    if rest.startswith("{"):
-        close = _label_set_end(rest)
-        if close is None:
-            return "the label set is not closed with '}' (or a label value has no closing quote)"
-        labels = rest[1:close]
-        if not re.fullmatch(rf"(?:{_LABEL}(?:,{_LABEL})*,?)?[ \t]*", labels):
-            return f'expected labels as name="value" pairs separated by commas, got {{{labels}}}'
-        rest = rest[close + 1 :]
-    fields = rest.split()
-    if not fields:
-        return "expected a value after the metric name"
-    if not _NUMBER_ONLY.fullmatch(fields[0]):
-        return f"expected a number (or NaN, +Inf, -Inf) as the value, got {fields[0]!r}"
-    if len(fields) > 2 or (len(fields) == 2 and not re.fullmatch(r"-?\d+", fields[1])):
-        return (
-            f"expected at most an integer timestamp after the value, got {' '.join(fields[1:])!r}"
-        )
-    return 'expected: name{label="value",...} value [timestamp]'
+    def __iter__(self) -> Iterator[str]:
+        for number, line in enumerate(self._lines, start=1):
+            self.number = number
+            if line.strip() == "# EOF":  # OpenMetrics end marker
+                return
+            yield line + "\n"
 
-
-def _label_set_end(text: str) -> int | None:
-    """Index of the ``}`` closing the label set that ``text`` starts with."""
-    quoted = escaped = False
-    for i, ch in enumerate(text):
-        if escaped:
-            escaped = False
-        elif ch == "\\" and quoted:
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == "}" and not quoted:
-            return i
-    return None
+    @property
+    def current(self) -> str:
+        return self._lines[self.number - 1].strip() if self.number else ""
 
 
 def parse_text(text: str) -> dict[str, list[Sample]]:
-    """Samples by metric name; MetricsParseError names the first bad line."""
+    """Samples by metric name; MetricsParseError names the first bad line.
+
+    prometheus_client's parser reads the text; it is lax in places (a third field on a
+    sample line is read as the timestamp) and its errors do not say where, so the line
+    number and the line are added here."""
+    lines = _Lines(text)
     samples: dict[str, list[Sample]] = {}
-    for number, raw in enumerate(text.split("\n"), start=1):
-        line = raw.rstrip("\r")
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("#"):
-            if stripped == "# EOF":  # OpenMetrics end marker
-                break
-            continue
-        match = _SAMPLE.fullmatch(stripped)
-        if match is None:
-            shown = stripped if len(stripped) <= 200 else stripped[:200] + "..."
-            raise MetricsParseError(f"line {number}: {_diagnose(stripped)}: {shown!r}")
-        name, label_text, value_text = match.groups()
-        labels = {k: _unescape(v) for k, v in _LABEL_PAIR.findall(label_text)} if label_text else {}
-        samples.setdefault(name, []).append(Sample(name, labels, float(value_text)))
+    try:
+        for family in text_fd_to_metric_families(lines):  # type: ignore[arg-type]
+            for s in family.samples:
+                samples.setdefault(s.name, []).append(
+                    Sample(s.name, dict(s.labels), float(s.value))
+                )
+    except ValueError as exc:
+        shown = lines.current if len(lines.current) <= 200 else lines.current[:200] + "..."
+        detail = str(exc) or "malformed line"
+        raise MetricsParseError(
+            f"line {lines.number}: not valid Prometheus text ({detail}): {shown!r}"
+        ) from None
     return samples
 
 

@@ -9,7 +9,7 @@ several rounds; the report gives medians across rounds and the difference.
 ``--grpc-server builtin grpcio`` measures both gRPC servers in the same run (one
 extproc and one Envoy each, all runs alternating).
 
-    python loadtest/bench.py [--duration 5] [--rounds 3] [--response-phase SEND|SKIP]
+    python -m loadtest.bench [--duration 5] [--rounds 3] [--response-phase SEND|SKIP]
                              [--grpc-server builtin grpcio]
 
 Needs ``wrk`` on PATH (Debian: apt-get install wrk).
@@ -31,17 +31,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.support.stack import (
-    ROOT,
+from extproc.devstack import (
     Envoy,
     Extproc,
     Proc,
     Publisher,
+    checkout_file,
     envoy_binary,
     free_port,
     http,
+    metric_value,
     wait_until,
 )
 
@@ -182,7 +181,9 @@ def _label(kind: str, servers: list[str]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per case")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -262,7 +263,7 @@ def main() -> int:
                 ext,
                 [wport],
                 tweak=add_direct_listener(direct_port, args.response_phase),
-                source=ROOT / "envoy" / args.config,
+                source=checkout_file(f"envoy/{args.config}"),
             )
             procs.append(envoy)
             pub = Publisher(ext.event_endpoint)
@@ -347,17 +348,12 @@ def main() -> int:
         for name, rs in rejections.items():
             print(f"| 32 | {name}, all busy | {med(rs, 'cpu0'):.0f} | {med(rs, 'cpu1'):.0f} |")
         for kind, ext in exts.items():
-            decisions = ext.metrics()
-            routed = re.search(
-                r'^extproc_decisions_total\{outcome="routed"\} (\S+)', decisions, re.M
+            text = ext.metrics()
+            routed, over = (
+                metric_value(text, "extproc_decisions_total", {"outcome": outcome}) or 0
+                for outcome in ("routed", "overloaded")
             )
-            over = re.search(
-                r'^extproc_decisions_total\{outcome="overloaded"\} (\S+)', decisions, re.M
-            )
-            print(
-                f"\nextproc ({kind}) decisions: routed={routed.group(1) if routed else 0} "
-                f"overloaded={over.group(1) if over else 0}"
-            )
+            print(f"\nextproc ({kind}) decisions: routed={routed:g} overloaded={over:g}")
         return 0
     finally:
         for p in reversed(procs):

@@ -12,8 +12,8 @@ event stream does to the request path, side by side in one run.
    runs with the publisher too, so the publisher's own CPU on these shared cores shows as
    the difference on ``direct``, and the extproc's share as the rest.
 
-    python loadtest/events_bench.py [--rate 50000] [--duration 5] [--rounds 3]
-    python loadtest/events_bench.py --ingest-only          # part 1 alone (no wrk needed)
+    python -m loadtest.events_bench [--rate 50000] [--duration 5] [--rounds 3]
+    python -m loadtest.events_bench --ingest-only          # part 1 alone (no wrk needed)
 
 The publisher is this script run with ``--publish ENDPOINT``; it prints what it sent as JSON.
 """
@@ -24,7 +24,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,22 +33,20 @@ from typing import Any
 import msgspec
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loadtest.bench import BODY, add_direct_listener, cpu_seconds, run_wrk, worker_config
-from tests.support.stack import (
-    PYTHON,
-    ROOT,
+from extproc.devstack import (
     Envoy,
     Extproc,
     Proc,
     Publisher,
+    checkout_file,
     envoy_binary,
     free_port,
     http,
     metric_value,
+    python_module,
     wait_until,
 )
+from loadtest.bench import BODY, add_direct_listener, cpu_seconds, run_wrk, worker_config
 
 THRESHOLD = 1000  # --active-prefill-tokens-threshold: the bench worker stays under it
 EVENT_MODEL = "events"  # the event-only workers serve a model no request asks for
@@ -123,27 +120,31 @@ def publish(endpoint: str, workers: int, rate: float, seconds: float) -> int:
 
 
 class PublisherProc:
-    """``events_bench.py --publish`` in the background; ``finish()`` returns its counts."""
+    """``python -m loadtest.events_bench --publish`` in the background; ``finish()`` returns
+    its counts (the JSON line it prints last)."""
 
     def __init__(self, endpoint: str, workers: int, rate: float, seconds: float) -> None:
-        cmd = [
-            PYTHON, str(Path(__file__).resolve()), "--publish", endpoint,
+        args = [
+            "--publish", endpoint,
             "--workers", str(workers), "--rate", str(rate), "--seconds", str(seconds),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.proc = Proc("publisher", python_module("loadtest.events_bench", args))
         self.seconds = seconds
 
+    def done(self) -> bool:
+        return not self.proc.alive()
+
     def finish(self) -> dict[str, Any]:
-        out, err = self.proc.communicate(timeout=self.seconds + 30)
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"publisher exited {self.proc.returncode}: {err.decode()[-2000:]}")
-        counts: dict[str, Any] = json.loads(out)
+        wait_until(self.done, self.seconds + 30, "the publisher to finish")
+        code, out = self.proc.stop(), self.proc.log()
+        if code != 0:
+            raise RuntimeError(f"publisher exited {code}: {out[-2000:]}")
+        last = [line for line in out.splitlines() if line.startswith("{")][-1]
+        counts: dict[str, Any] = json.loads(last)
         return counts
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.proc.stop(5)
 
 
 # ----- measuring -------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def ingest(ext: Extproc, workers: int, seconds: float) -> dict[str, float]:
         # The window: from the first event applied to the publisher's exit.
         wait_until(lambda: load_events(ext) > before_events, 20, "the first events")
         t0, e0, c0 = time.monotonic(), load_events(ext), cpu_seconds(ext.proc.pid)
-        wait_until(lambda: pub.proc.poll() is not None, seconds + 30, "the publisher to finish")
+        wait_until(pub.done, seconds + 30, "the publisher to finish")
         t1, e1, c1 = time.monotonic(), load_events(ext), cpu_seconds(ext.proc.pid)
         counts = pub.finish()
     finally:
@@ -211,7 +212,9 @@ def ingest(ext: Extproc, workers: int, seconds: float) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.events_bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rate", type=float, default=50_000, help="paced events/s in part 2")
     parser.add_argument("--workers", type=int, default=64, help="event-only workers")
     parser.add_argument("--ingest-seconds", type=float, default=5.0)
@@ -272,7 +275,7 @@ def main() -> int:
         direct_port = free_port()
         envoy = Envoy(
             tmp, ext, [wport], tweak=add_direct_listener(direct_port, "SEND"),
-            source=ROOT / "envoy" / "envoy.yaml",
+            source=checkout_file("envoy/envoy.yaml"),
         )  # fmt: skip
         procs.append(envoy)
         urls = {"direct": f"http://127.0.0.1:{direct_port}", "extproc": envoy.url}

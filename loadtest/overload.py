@@ -17,8 +17,8 @@ still running ``--grace`` seconds after the window are cancelled and count at th
 time (the percentile is then a lower bound, shown as ``>=``). Writes a markdown table, a JSON
 file and two PNG plots under ``--out``.
 
-    python loadtest/overload.py                      # ~4-5 minutes on 2 cores
-    python loadtest/overload.py --loads 1,3 --cell-seconds 10   # quicker look
+    python -m loadtest.overload                      # ~4-5 minutes on 2 cores
+    python -m loadtest.overload --loads 1,3 --cell-seconds 10   # quicker look
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.support.stack import (  # noqa: E402  (needs the repo root on sys.path)
-    PYTHON,
+from extproc.devstack import (
+    ROOT,
     Envoy,
     Extproc,
-    Proc,
+    SimProcess,
+    checkout_file,
+    cli_flags,
     free_port,
     http,
+    metric_sums,
     wait_until,
 )
 
@@ -84,16 +84,12 @@ class Config:
 # --- the stack -----------------------------------------------------------------------
 
 
-def _healthy(port: int) -> bool:
-    return http("GET", f"http://127.0.0.1:{port}/health", timeout=1)[0] == 200
-
-
 class Stack:
     """Envoy -> extproc -> two publishing simulated workers, all children of this process."""
 
     def __init__(self, cfg: Config, log_dir: Path) -> None:
         self.cfg = cfg
-        self.procs: list[Proc] = []
+        self.procs: list[SimProcess] = []
         args = ["--log-level", "WARNING"]
         if cfg.track_output_blocks:
             args.append("--router-track-output-blocks")
@@ -102,34 +98,40 @@ class Stack:
         try:
             for i in (1, 2):
                 port = free_port()
-                self.procs.append(Proc(f"sim-{i}", self.sim_command(i, port), log_dir))
+                self.procs.append(
+                    SimProcess(self.sim_args(i, port), log_dir=log_dir, name=f"sim-{i}")
+                )
                 self.sim_ports.append(port)
-            for port in self.sim_ports:
-                wait_until(partial(_healthy, port), 20, f"simulated worker on :{port}")
+            for sim, port in zip(self.procs, self.sim_ports, strict=True):
+                wait_until(partial(sim.healthy, port), 20, f"simulated worker on :{port}")
             wait_until(lambda: len(self.ext.workers()) == 2, 15, "both workers announced")
             self.envoy = Envoy(log_dir, self.ext, self.sim_ports, source=self.envoy_config)
         except BaseException:
             self.close()
             raise
 
-    def sim_command(self, i: int, port: int) -> list[str]:
+    def sim_args(self, i: int, port: int) -> list[str]:
         c = self.cfg
-        return [
-            PYTHON, "-m", "llmworker.sim",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--model", MODEL, "--worker-id", f"sim-{i}",
-            "--publish", self.ext.event_endpoint,
-            "--kv-total-blocks", str(c.kv_total_blocks), "--block-size", str(c.block_size),
-            "--max-num-seqs", str(c.max_num_seqs),
-            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-            "--dp-size", "1", "--speedup", str(c.speedup), "--log-level", "WARNING",
-        ]  # fmt: skip
+        return cli_flags(
+            host="127.0.0.1",
+            port=port,
+            model=MODEL,
+            worker_id=f"sim-{i}",
+            publish=self.ext.event_endpoint,
+            kv_total_blocks=c.kv_total_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            dp_size=1,
+            speedup=c.speedup,
+            log_level="WARNING",
+        )
 
     @property
     def envoy_config(self) -> Path:
         """Output tokens are only observed with the observer config (README "Output tokens")."""
         name = "envoy-track-output.yaml" if self.cfg.track_output_blocks else "envoy.yaml"
-        return ROOT / "envoy" / name
+        return checkout_file(f"envoy/{name}")
 
     @property
     def url(self) -> str:
@@ -301,21 +303,6 @@ async def open_loop(
 # --- the workers' view -------------------------------------------------------------------
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum of every series of each metric name in Prometheus text."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0]
-        try:
-            sums[name] = sums.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return sums
-
-
 @dataclass
 class SimSamples:
     """Queue samples taken while a cell runs, and the preemption counter around it."""
@@ -330,7 +317,7 @@ async def scrape(session: aiohttp.ClientSession, ports: Sequence[int]) -> dict[s
     total: dict[str, float] = {}
     for port in ports:
         async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-            for name, value in parse_metrics(await resp.text()).items():
+            for name, value in metric_sums(await resp.text()).items():
                 total[name] = total.get(name, 0.0) + value
     return total
 
@@ -728,7 +715,7 @@ def _threshold(text: str) -> float | None:
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     p = argparse.ArgumentParser(
-        prog="python loadtest/overload.py",
+        prog="python -m loadtest.overload",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -795,7 +782,7 @@ def started_stack(cfg: Config) -> Iterator[Stack]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, out = parse_args(argv)
-    command = shlex.join(["python", "loadtest/overload.py", *(argv or sys.argv[1:])])
+    command = shlex.join(["python", "-m", "loadtest.overload", *(argv or sys.argv[1:])])
     with started_stack(cfg) as stack:
         log(f"stack up: envoy {stack.envoy.url}, workers {stack.sim_ports}")
         results = asyncio.run(run(cfg, stack, command))

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.stack import (
+from extproc.devstack import (
     Envoy,
     Extproc,
     Proc,

@@ -9,7 +9,7 @@ interval), same load, one run:
 - ``observe``: a second ext_proc filter in observability_mode gets the chunks;
   Envoy does not wait, the extproc does not reply.
 
-    python loadtest/stream_bench.py [--streams 8] [--tokens 200] [--interval-ms 5] [--rounds 3]
+    python -m loadtest.stream_bench [--streams 8] [--tokens 200] [--interval-ms 5] [--rounds 3]
 
 Reports client-side inter-token gaps (p50/p99, ms), their excess over ``none``, and
 the extproc's CPU seconds (user+system, from /proc) per streamed token.
@@ -29,16 +29,14 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.support.stack import ROOT, Envoy, Extproc, Publisher, start_echo_worker
+from extproc.devstack import Envoy, Extproc, Publisher, checkout_file, start_echo_worker
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 
 
 def _filters(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    return hcm["typed_config"]["http_filters"]  # type: ignore[no-any-return]
+    return hcm["typed_config"]["http_filters"]
 
 
 def design(name: str) -> Any:
@@ -54,7 +52,9 @@ def design(name: str) -> Any:
 
 
 def source(name: str) -> Path:
-    return ROOT / "envoy" / ("envoy-track-output.yaml" if name == "observe" else "envoy.yaml")
+    return checkout_file(
+        "envoy/" + ("envoy-track-output.yaml" if name == "observe" else "envoy.yaml")
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -101,7 +101,9 @@ def pct(values: list[float], p: float) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.stream_bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=200, help="SSE events per stream")
     parser.add_argument("--interval-ms", type=int, default=5, help="worker's gap between events")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import Envoy, Extproc, Proc, Publisher, start_echo_worker
+from extproc.devstack import Envoy, Extproc, Proc, Publisher, start_echo_worker
 
 # The ext_proc servers a module's stack runs on: the builtin one (default) and grpcio's.
 GRPC_SERVERS = ["builtin", "grpcio"]

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from extproc.devstack import Extproc, wait_until
 from extproc.settings import SETTING_NAMES, SettingsError, all_startup_warnings, load_settings
-from tests.support.stack import Extproc, wait_until
 
 
 def test_defaults_all_thresholds_off() -> None:

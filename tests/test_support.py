@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
-from tests.support.stack import free_port
+import pytest
+
+from extproc.devstack import (
+    PYTHON,
+    Proc,
+    ProcessExited,
+    WaitTimeout,
+    free_port,
+    metric_samples,
+    metric_sums,
+    metric_value,
+    wait_until,
+)
 
 
 def test_free_port_is_outside_the_ephemeral_range_and_never_repeats() -> None:
@@ -17,3 +31,72 @@ def test_free_port_is_outside_the_ephemeral_range_and_never_repeats() -> None:
     for p in ports[:20]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # still free
+
+
+METRICS = """\
+# HELP extproc_decisions_total Decisions by outcome.
+# TYPE extproc_decisions_total counter
+extproc_decisions_total{outcome="routed"} 3.0
+extproc_decisions_total{outcome="overloaded"} 2.0
+# HELP extproc_streams Open streams.
+# TYPE extproc_streams gauge
+extproc_streams 1.0
+# TYPE extproc_workers gauge
+extproc_workers{model="m,n",state="busy"} 4.0
+extproc_workers{model="m,n",state="free"} 5.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0"} 7.0
+vllm:num_requests_waiting{engine="1"} 1.0
+"""
+
+
+def test_metric_value_picks_one_series_by_labels() -> None:
+    assert metric_value(METRICS, "extproc_decisions_total", {"outcome": "routed"}) == 3.0
+    assert metric_value(METRICS, "extproc_decisions_total", {"outcome": "x"}) is None
+    # No labels asked: only the series without labels.
+    assert metric_value(METRICS, "extproc_decisions_total") is None
+    assert metric_value(METRICS, "extproc_streams") == 1.0
+    # A subset of the labels is enough; a comma inside a quoted value is no separator.
+    assert metric_value(METRICS, "extproc_workers", {"state": "free"}) == 5.0
+    assert metric_value(METRICS, "extproc_workers", {"model": "m,n"}) == 4.0
+    assert metric_value(METRICS, "extproc_missing") is None
+    assert metric_sums(METRICS)["vllm:num_requests_waiting"] == 8.0
+    assert metric_sums(METRICS)["extproc_decisions_total"] == 5.0
+    assert {s.name for s in metric_samples(METRICS)} >= {"extproc_streams", "extproc_workers"}
+
+
+def test_metric_reading_rejects_malformed_text() -> None:
+    with pytest.raises(ValueError):
+        metric_value('extproc_streams{state="x" 1\n', "extproc_streams")
+
+
+def test_proc_keeps_its_output_and_stops_by_pid(tmp_path: Path) -> None:
+    quiet = Proc("quiet", [PYTHON, "-c", "print('hello', flush=True); import time; time.sleep(60)"])
+    logged = Proc("logged", [PYTHON, "-c", "import sys; sys.stderr.write('to stderr')"], tmp_path)
+    try:
+        wait_until(lambda: "hello" in quiet.log(), 10, "the first line")
+        assert quiet.alive()
+    finally:
+        assert quiet.stop() == -signal.SIGTERM
+    assert not quiet.alive() and quiet.log() == "hello\n"  # still readable once stopped
+    wait_until(lambda: not logged.alive(), 10, "the second process to exit")
+    assert logged.stop() == 0
+    assert (tmp_path / "logged.log").read_text() == "to stderr"
+    with pytest.raises(ProcessExited, match="logged exited with 0:\nto stderr"):
+        logged.check_alive()
+
+
+def test_wait_until_names_what_it_waited_for() -> None:
+    with pytest.raises(WaitTimeout, match=r"timed out after 0.1s waiting for the moon"):
+        wait_until(lambda: False, 0.1, "the moon")
+
+
+def test_the_harness_does_not_import_the_worker_side() -> None:
+    """The router package starts llmworker as a subprocess only, never imports it."""
+    code = (
+        "import sys, extproc.devstack, extproc.devstack.__main__, extproc.devstack.echo_worker\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llmworker'))"
+    )
+    run = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from extproc.admin.auth import AdminAuth, AuthFailure, is_loopback_host
-from tests.support.stack import Extproc, http, wait_until
+from extproc.devstack import Extproc, http, wait_until
 
 TOKEN = "secret"
 READ = {"model": "m"}

@@ -11,9 +11,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.admin.app import Readiness, build_app
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
+from extproc.devstack import get_json, http, metric_value, wait_until
 from extproc.metrics.registry import Metrics
 from tests.conftest import Stack
-from tests.support.stack import get_json, http, metric_value, wait_until
 
 CHAT = "/v1/chat/completions"
 

@@ -21,7 +21,7 @@ from extproc.admin.thresholds import (
 )
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, BusyThresholds
 from extproc.core.pool import WorkerPool
-from tests.support.stack import Extproc, Publisher, get_json, http, wait_until
+from extproc.devstack import Extproc, Publisher, get_json, http, wait_until
 
 MAX = 2**64 - 1
 NAN, INF = float("nan"), float("inf")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.stack import ROOT, envoy_binary
+from extproc.devstack import ROOT, envoy_binary
 
 COMPOSE = ROOT / "docker-compose.yml"
 ENVOY_LOCAL = ROOT / "envoy" / "envoy.yaml"

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import http, wait_until
 from tests.support.compose_netns import Rehearsal, available
-from tests.support.stack import http, wait_until
 
 WHY_NOT = available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"compose rehearsal: {WHY_NOT}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import ROOT, http, wait_until
+from extproc.devstack import ROOT, http, wait_until
 
 PORTS = (8000, 9002, 9003, 9901, 8101, 8102)
 
@@ -97,3 +98,25 @@ def test_demo_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
             f"child {pid} stopped",
         )
     assert all(_port_free(p) for p in PORTS)
+
+
+def test_demo_outside_a_checkout_says_it_needs_one(tmp_path: Path) -> None:
+    """The package installed on its own (here: a copy on PYTHONPATH) has no envoy/ beside it."""
+    site = tmp_path / "site"
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "extproc", site / "extproc", ignore=skip)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import extproc; print(extproc.__file__)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert where.stdout.strip() == str(site / "extproc" / "__init__.py"), where
+    run = subprocess.run(
+        [sys.executable, "-m", "extproc.devstack", "--logs", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2, run
+    assert "envoy/envoy.yaml not found" in run.stderr
+    assert "runs from a checkout of the repository (`make demo`" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started

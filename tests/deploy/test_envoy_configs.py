@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import ROOT, envoy_binary
+from extproc.devstack import ROOT, envoy_binary
 
 CONFIGS = sorted(p for p in (ROOT / "envoy").glob("*.y*ml"))
 

@@ -11,13 +11,13 @@ import pytest
 
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
+from extproc.devstack import free_port
 from extproc.events.curve import CurveClient, CurveKeyError, CurveServer, check_publisher_dir
 from extproc.events.keys import main as keys_main
 from extproc.events.publisher import EventPublisher
 from extproc.events.schema import ConfigEvent
 from extproc.events.subscriber import EventSubscriber
 from extproc.metrics.registry import Metrics
-from tests.support.stack import free_port
 
 
 @pytest.fixture

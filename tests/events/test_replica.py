@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import time
@@ -15,12 +16,12 @@ from extproc.core.busy import BusyThresholds
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Routed, Scheduler
+from extproc.devstack import free_port
 from extproc.events.publisher import EventPublisher
 from extproc.events.replica import ReplicaPublisher
 from extproc.events.schema import ConfigEvent
 from extproc.events.subscriber import EventSubscriber
 from extproc.metrics.registry import Metrics
-from tests.support.stack import free_port
 
 
 async def until(cond: Callable[[], object], timeout: float = 5.0, what: str = "") -> float:
@@ -167,7 +168,7 @@ async def test_replica_messages_are_authenticated_with_curve(tmp_path: object) -
         pool = WorkerPool(BusyThresholds(None, 1000))
         pool.replica_id = name
         metrics = Metrics()
-        server = CurveServer(secret, admitted, lambda r, m=metrics: m.refused[r].inc())
+        server = CurveServer(secret, admitted, functools.partial(count_refused, metrics))
         sub = EventSubscriber(pool, metrics, curve=server, peers=PeerEstimates(pool, ttl=5))
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         await sub.start([endpoint], [])
@@ -208,6 +209,10 @@ async def test_replica_messages_are_authenticated_with_curve(tmp_path: object) -
         await pub_x.close()
         sub_a.close()
         sub_b.close()
+
+
+def count_refused(metrics: Metrics, reason: str) -> None:
+    metrics.refused[reason].inc()
 
 
 def b_peers(sub: EventSubscriber) -> dict[str, int]:

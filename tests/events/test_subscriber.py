@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
+from extproc.devstack import free_port
 from extproc.events.schema import (
     ByeEvent,
     ConfigEvent,
@@ -24,7 +25,6 @@ from extproc.events.schema import (
 )
 from extproc.events.subscriber import DRAIN_BATCH, EventBindError, EventSubscriber
 from extproc.metrics.registry import Metrics
-from tests.support.stack import free_port
 
 CFG = {"v": 1, "worker_id": "w", "model": "m", "endpoint": "127.0.0.1:8000"}
 

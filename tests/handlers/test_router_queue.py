@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import http, metric_value, wait_until
 from tests.conftest import GRPC_SERVERS, Stack
-from tests.support.stack import http, metric_value, wait_until
 
 URL = "/v1/completions"
 PROMPT_101 = "x" * 404  # 101 prompt tokens: one request fills a worker's queue limit of 100

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import PYTHON, Extproc, Proc, free_port, http, wait_until
+from extproc.devstack import PYTHON, Extproc, Proc, free_port, http, wait_until
 
 MODEL = "restart-model"
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import wait_until
 from tests.conftest import GRPC_SERVERS, Stack
-from tests.support.stack import wait_until
 
 
 @pytest.fixture(scope="module", params=GRPC_SERVERS)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.stack import (
+from extproc.devstack import (
     Envoy,
     Extproc,
     Proc,

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import get_json, http, metric_value, wait_until
 from tests.conftest import GRPC_SERVERS, Stack
-from tests.support.stack import get_json, http, metric_value, wait_until
 
 OVERLOADED_529 = b'{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
 CHAT = "/v1/chat/completions"

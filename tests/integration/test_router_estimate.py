@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import http, wait_until
 from tests.conftest import Stack
-from tests.support.stack import http, wait_until
 
 PROMPT_100 = "x" * 400  # 100 prompt tokens, 7 blocks of 16
 

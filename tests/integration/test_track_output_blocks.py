@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support.stack import (
+from extproc.devstack import (
     PYTHON,
     ROOT,
     Envoy,

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from extproc.devstack import http, metric_value, wait_until
 from tests.conftest import Stack
-from tests.support.stack import http, metric_value, wait_until
 
 OVERLOADED = b'{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
 URL = "/v1/completions"

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from extproc.devstack import async_wait_until as wait_until
 from llmworker.admission import (
     Admission,
     AdmissionConfig,
     AdmissionConfigError,
     Overloaded,
 )
-from tests.llmworker.support import wait_until
 
 
 def test_off_when_n_is_unset_and_q_is_then_not_read() -> None:

@@ -19,6 +19,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from extproc.devstack import AgentProcess, SimProcess, free_port
+from extproc.devstack import async_wait_until as wait_until
 from extproc.events.schema import ByeEvent, ConfigEvent, LoadEvent
 from llmworker.agent import Agent, AgentSettings, RankLoad, parse_args, worker_view
 from llmworker.engine_metrics import (
@@ -29,7 +31,7 @@ from llmworker.engine_metrics import (
     parse_engine_metrics,
     parse_text,
 )
-from tests.llmworker.support import AgentProcess, SimProcess, Subscriber, free_port, wait_until
+from tests.llmworker.support import Subscriber
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm_metrics.txt").read_text()
@@ -175,12 +177,16 @@ def test_waiting_requests_without_a_known_prompt_length_leave_prefill_unreported
         (
             "vllm",
             'vllm:num_requests_running{engine="0" 3.0\n',
-            "line 1: the label set is not closed",
+            "line 1: not valid Prometheus text",
         ),
-        ("vllm", "# HELP x y\nvllm:kv_cache_usage_perc 0.1 0.2 0.3\n", "line 2: expected at most"),
-        ("vllm", 'vllm:kv_cache_usage_perc{engine="0"} high\n', "expected a number"),
-        ("vllm", "vllm:kv_cache_usage_perc{engine=0} 1\n", 'name="value" pairs'),
-        ("vllm", "<html><body>Not Found</body></html>\n", "line 1: expected a metric name"),
+        ("vllm", "# HELP x y\nvllm:kv_cache_usage_perc 0.1 0.2x\n", "line 2: not valid Prometheus"),
+        ("vllm", 'vllm:kv_cache_usage_perc{engine="0"} high\n', "convert string to float: 'high'"),
+        ("vllm", "vllm:kv_cache_usage_perc{engine=0} 1\n", "Invalid labels: engine=0"),
+        (
+            "vllm",
+            "<html><body>Not Found</body></html>\n",
+            "line 1: not valid Prometheus text (invalid metric name",
+        ),
         ("vllm", "", "no vllm:kv_cache_usage_perc"),
         ("vllm", SGLANG_TEXT, "is this a vLLM /metrics page"),
         ("sglang", VLLM_TEXT, "started with --enable-metrics"),
@@ -271,7 +277,10 @@ async def test_malformed_metrics_publish_nothing_and_are_logged_once(
         assert await sub.drain(0.1) == []
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, warnings
-        assert f"malformed metrics: line {bad_line + 1}: expected labels as" in warnings[0]
+        assert (
+            f"malformed metrics: line {bad_line + 1}: not valid Prometheus text (Invalid labels"
+            in warnings[0]
+        )
         fake_engine.text = VLLM_TEXT
         config = await sub.next_of(ConfigEvent)
         assert (config.kv_total_blocks, config.block_size, config.dp_size) == (27355, 16, 2)
@@ -364,8 +373,8 @@ async def test_against_the_sim_load_follows_requests_and_sigterm_says_bye() -> N
             idle = await sub.next_of(LoadEvent)
         assert (idle.active_decode_blocks, idle.active_prefill_tokens) == (0, 0)
     finally:
-        code, err = agent.terminate()
-        sim.terminate()
+        code, err = agent.stop(), agent.log()
+        sim.stop()
         print(err, file=sys.stderr)  # shown when the test fails
     try:
         assert await sub.next_of(ByeEvent) == ByeEvent(worker_id="agent-a")
@@ -455,8 +464,8 @@ async def test_proxy_admits_n_plus_q_and_rejects_the_rest_at_once() -> None:
             aborted = await _gauge(http, agent_port, "vllm:generation_tokens_total") - generated
             assert aborted < 900, "the proxy read the abandoned stream to its end"
     finally:
-        code, err = agent.terminate()
-        sim.terminate()
+        code, err = agent.stop(), agent.log()
+        sim.stop()
         sub.close()
         print(err, file=sys.stderr)  # shown when the test fails
     assert code == 0, err

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.devstack import async_wait_until as wait_until
 from llmworker.engine import (
     EngineConfig,
     EngineCore,
@@ -20,7 +21,6 @@ from llmworker.engine import (
     Sequence,
     SimEngine,
 )
-from tests.llmworker.support import wait_until
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> int:

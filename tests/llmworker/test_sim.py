@@ -11,9 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from extproc.devstack import async_wait_until as wait_until
 from extproc.openai.request import estimate_tokens
 from llmworker.sim import SimWorker
-from tests.llmworker.support import StartSim, wait_until
+from tests.llmworker.support import StartSim
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

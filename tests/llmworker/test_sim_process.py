@@ -7,8 +7,10 @@ import signal
 import aiohttp
 import pytest
 
+from extproc.devstack import SimProcess, free_port, run_sim
+from extproc.devstack import async_wait_until as wait_until
 from extproc.events.schema import ByeEvent, ConfigEvent, LoadEvent
-from tests.llmworker.support import SimProcess, Subscriber, free_port, run_sim, wait_until
+from tests.llmworker.support import Subscriber
 
 
 async def _healthy(port: int) -> bool:
@@ -69,7 +71,7 @@ async def test_publishes_config_and_per_rank_load_then_bye_on_sigterm() -> None:
             idle = await sub.next_of(LoadEvent)
         assert idle.active_prefill_tokens == 0
     finally:
-        code, err = sim.terminate()
+        code, err = sim.stop(), sim.log()
     try:
         assert await sub.next_of(ByeEvent) == ByeEvent(worker_id="wk-pub")
     finally:
@@ -83,8 +85,8 @@ async def test_sigint_stops_cleanly_without_publishing() -> None:
     try:
         await wait_until(lambda: _healthy(port), timeout=15, what="the sim to serve")
     finally:
-        sim.proc.send_signal(signal.SIGINT)
-        code, err = sim.terminate()
+        sim.send_signal(signal.SIGINT)
+        code, err = sim.stop(), sim.log()
     assert code == 0, err
 
 

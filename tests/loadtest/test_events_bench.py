@@ -1,4 +1,4 @@
-"""``loadtest/events_bench.py --ingest-only``, shortened: the publisher, the window and the
+"""``python -m loadtest.events_bench --ingest-only``, shortened: the publisher, the window and the
 counts it reports work against the real extproc (the rates are the benchmark's business)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.support.stack import PYTHON, ROOT
+from extproc.devstack import PYTHON, ROOT
 
 
 def test_ingest_run_applies_every_event_it_sent() -> None:
-    cmd = [PYTHON, str(ROOT / "loadtest" / "events_bench.py"), "--ingest-only",
+    cmd = [PYTHON, "-m", "loadtest.events_bench", "--ingest-only",
            "--ingest-seconds", "1", "--workers", "8"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

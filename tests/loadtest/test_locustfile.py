@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import PYTHON, ROOT, Envoy, Extproc, Proc, free_port, http, wait_until
+from extproc.devstack import PYTHON, ROOT, Envoy, Extproc, Proc, free_port, http, wait_until
 
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 MODEL = "locust-model"

@@ -1,4 +1,4 @@
-"""``loadtest/overload.py`` end to end, shortened: one offered load, thresholds off and on.
+"""``python -m loadtest.overload`` end to end, shortened: one offered load, thresholds off and on.
 
 The script starts its own stack (Envoy, the extproc, two simulated engines) and writes the
 table, the JSON and the plots. At 3x capacity the run must show what the benchmark is for:
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import PYTHON, ROOT
+from extproc.devstack import PYTHON, ROOT
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def test_overload_benchmark_sheds_at_three_times_capacity(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [
-        PYTHON, str(ROOT / "loadtest" / "overload.py"),
+        PYTHON, "-m", "loadtest.overload",
         "--loads", "3", "--capacity", "19.5",
         "--cell-seconds", "6", "--warmup", "1", "--grace", "2",
         "--out", str(out),
@@ -55,4 +55,4 @@ def test_overload_benchmark_sheds_at_three_times_capacity(tmp_path: Path) -> Non
 
     table = (out / "overload-results.md").read_text()
     assert "| 3x | off |" in table and "| 3x | on |" in table
-    assert "python loadtest/overload.py --loads 3" in table
+    assert "python -m loadtest.overload --loads 3" in table

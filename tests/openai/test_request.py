@@ -90,14 +90,14 @@ def test_bad_tokenizer_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_tokenizer_through_envoy_sets_the_router_estimate(tmp_path: Path, make_stack: Any) -> None:
-    from tests.support.stack import wait_until
+    from extproc.devstack import wait_until
 
     path = _word_tokenizer(tmp_path)
     s = make_stack(["--tokenizer", str(path)])
     s.pub.announce(s.ext, "tok-1", "m", s.endpoint("a"))
     import threading
 
-    from tests.support.stack import http
+    from extproc.devstack import http
 
     body = {"model": "m", "prompt": "hello world hello world hello world !"}  # 7 tokens
     t = threading.Thread(

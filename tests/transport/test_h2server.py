@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import cast
 
 import grpc
 import hpack
@@ -358,7 +359,8 @@ async def test_reply_waits_for_the_peer_window(served: tuple[GrpcServer, Recorde
     assert rest is not None and data[3] + rest[3] == h2.grpc_message(message)
     trailers = await peer.until(h2.HEADERS)
     assert trailers is not None and trailers[1] & h2.END_STREAM
-    assert dict(hpack.Decoder().decode(trailers[3]))["grpc-status"] == "0"
+    fields = cast(dict[str, str], dict(hpack.Decoder().decode(trailers[3])))
+    assert fields["grpc-status"] == "0"
     peer.close()
 
 

@@ -1,10 +1,10 @@
-"""A minimal OpenAI-shaped HTTP worker for integration tests.
+"""A minimal OpenAI-shaped HTTP worker for the tests and benchmarks.
 
-Every reply names the worker (header ``x-worker-id``) and echoes what it
-received. Request headers steer it: ``x-test-status`` answers with that status
-(``x-test-overloaded: 1`` adds ``x-worker-overloaded: 1``; ``x-test-status-for: a,b``
-limits that to the named workers), ``x-test-chunks``
-and ``x-test-delay-ms`` shape an SSE stream, ``x-test-hang`` never answers.
+``python -m extproc.devstack.echo_worker --port P --worker-id W``. Every reply names the
+worker (header ``x-worker-id``) and echoes what it received. Request headers steer it:
+``x-test-status`` answers with that status (``x-test-overloaded: 1`` adds
+``x-worker-overloaded: 1``; ``x-test-status-for: a,b`` limits that to the named workers),
+``x-test-chunks`` and ``x-test-delay-ms`` shape an SSE stream, ``x-test-hang`` never answers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def make_app(worker_id: str) -> web.Application:
     async def inference(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         headers = {"x-worker-id": worker_id}
-        info = {
+        info: dict[str, object] = {
             "worker_id": worker_id,
             "path": request.path,
             "destination": request.headers.get("x-gateway-destination-endpoint"),
