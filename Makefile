@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint format bench bench-events clean
+.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get
 bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/without 50k events/s (wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) -m loadtest.events_bench $(ARGS)
+
+bench-replicas: $(STAMP) ## One replica vs two (with and without sharing) on the same burst
+	$(PY) -m loadtest.replicas $(ARGS)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
