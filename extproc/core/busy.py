@@ -44,9 +44,27 @@ class BusyThresholds:
         }
 
 
-def scaled_limit(threshold: float, capacity: int) -> int:
-    """``floor(threshold x capacity)``, exact for the threshold's shortest decimal form."""
-    return math.floor(Fraction(repr(threshold)) * capacity)
+@dataclass(frozen=True, slots=True)
+class Share:
+    """How much of each threshold a request class may use; 1 = the configured limit.
+
+    A share below 1 makes a rank busy earlier for that class (sheddable traffic), above 1
+    later. Limits are ``floor(threshold x share x capacity)``, exact in decimal."""
+
+    active_decode_blocks: float = 1.0
+    active_prefill_tokens: float = 1.0
+    active_prefill_tokens_frac: float = 1.0
+
+
+FULL_SHARE = Share()
+
+
+def scaled_limit(threshold: float, capacity: int, share: float = 1.0) -> int:
+    """``floor(threshold x capacity x share)``, exact for the shortest decimal forms."""
+    exact = Fraction(repr(threshold)) * capacity
+    if share != 1.0:
+        exact *= Fraction(repr(share))
+    return math.floor(exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +82,22 @@ def rank_limits(
     kv_mode: bool,
     kv_total_blocks: int | None,
     max_num_batched_tokens: int | None,
+    share: Share = FULL_SHARE,
 ) -> RankLimits:
-    """Precompute the limits for one rank; recomputed only when an input changes."""
+    """Precompute the limits for one rank and request class; recomputed only when an input
+    changes. With the full share these are the configured limits."""
     decode = None
     if kv_mode and th.active_decode_blocks is not None and kv_total_blocks:
-        decode = scaled_limit(th.active_decode_blocks, kv_total_blocks)
+        decode = scaled_limit(th.active_decode_blocks, kv_total_blocks, share.active_decode_blocks)
+    prefill = th.active_prefill_tokens
+    if prefill is not None and share.active_prefill_tokens != 1.0:
+        prefill = scaled_limit(share.active_prefill_tokens, prefill)
     frac = None
     if th.active_prefill_tokens_frac is not None and max_num_batched_tokens:
-        frac = scaled_limit(th.active_prefill_tokens_frac, max_num_batched_tokens)
-    return RankLimits(decode, th.active_prefill_tokens, frac)
+        frac = scaled_limit(
+            th.active_prefill_tokens_frac, max_num_batched_tokens, share.active_prefill_tokens_frac
+        )
+    return RankLimits(decode, prefill, frac)
 
 
 def rank_busy_reason(

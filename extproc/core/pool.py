@@ -16,8 +16,10 @@ from typing import Literal
 
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import (
+    FULL_SHARE,
     BusyThresholds,
     RankLimits,
+    Share,
     rank_busy_reason,
     rank_limits,
     scaled_limit,
@@ -47,6 +49,8 @@ class Rank:
 
     __slots__ = (
         "busy_reason",
+        "class_limits",
+        "class_reasons",
         "est_blocks",
         "est_prefill",
         "index",
@@ -76,6 +80,13 @@ class Rank:
         self.peer_prefill = 0
         self.limits = _NO_LIMITS
         self.busy_reason: str | None = None
+        # The other request classes' limits and reasons (class 0, the default, is above).
+        self.class_limits: list[RankLimits] = []
+        self.class_reasons: list[str | None] = []
+
+    def reason_for(self, cls: int) -> str | None:
+        """The check that fires for request class ``cls`` (0 = the default class)."""
+        return self.busy_reason if cls == 0 else self.class_reasons[cls - 1]
 
     @property
     def has_data(self) -> bool:
@@ -108,6 +119,7 @@ class Worker:
     __slots__ = (
         "block_size",
         "busy",
+        "busy_by_class",
         "configured",
         "dp_size",
         "endpoint",
@@ -140,6 +152,8 @@ class Worker:
         self.overloaded_until = 0.0
         self.last_seq: int | None = None
         self.busy = False
+        # Busy per request class, kept only with more than one class ([0] is ``busy``).
+        self.busy_by_class: list[bool] = []
         # floor(--router-queue-threshold x max_num_batched_tokens), None = never queue.
         self.queue_limit: int | None = None
 
@@ -211,6 +225,9 @@ class WorkerPool:
         self.on_thresholds: Callable[[str], None] | None = None
         # model -> (version, writer replica): the newest change wins on every replica.
         self.threshold_stamps: dict[str, tuple[int, str]] = {}
+        # Request classes (extproc.core.classes): the default class's share, then the
+        # others'. One class with the full share is the behaviour without classes.
+        self.shares: list[Share] = [FULL_SHARE]
 
     # ----- reading -----------------------------------------------------------------
 
@@ -347,7 +364,7 @@ class WorkerPool:
         worker.last_load_at = now
         worker.overloaded_until = 0.0
         if kv_changed:
-            rank.limits = self._limits(worker, rank)
+            self._rank_all_limits(worker, rank)
         self._refresh_rank(worker, rank)
 
     def leave(self, worker_id: str) -> bool:
@@ -403,20 +420,34 @@ class WorkerPool:
             self.on_thresholds(model)
         return True
 
-    def _limits(self, worker: Worker, rank: Rank) -> RankLimits:
+    def set_shares(self, shares: list[Share]) -> None:
+        """The request classes' shares, the default class first; every flag is redone."""
+        if not shares:
+            raise ValueError("at least one share (the default class)")
+        self.shares = list(shares)
+        for worker in self.workers.values():
+            self._recompute_limits(worker)
+
+    def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(
             self.thresholds_for(worker.model),
             kv_mode=self.kv_mode,
             kv_total_blocks=worker.kv_total(rank),
             max_num_batched_tokens=worker.max_num_batched_tokens,
+            share=share,
         )
+
+    def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
+        shares = self.shares
+        rank.limits = self._limits(worker, rank, shares[0])
+        rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
 
     def _recompute_limits(self, worker: Worker) -> None:
         for rank in worker.ranks:
-            rank.limits = self._limits(worker, rank)
-            rank.busy_reason = rank_busy_reason(
-                rank.limits, rank.decode_blocks, rank.prefill_tokens
-            )
+            self._rank_all_limits(worker, rank)
+            d, p = rank.decode_blocks, rank.prefill_tokens
+            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
         self._refresh_worker(worker)
 
     def refresh_rank(self, worker: Worker, rank: Rank) -> None:
@@ -439,6 +470,12 @@ class WorkerPool:
         ]
 
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
+        if rank.class_limits:
+            d, p = rank.decode_blocks, rank.prefill_tokens
+            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
+            self._refresh_worker(worker)
+            return
         reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
         rank.busy_reason = reason
         if len(worker.ranks) == 1:
@@ -448,9 +485,16 @@ class WorkerPool:
         else:
             self._refresh_worker(worker)
 
-    @staticmethod
-    def _refresh_worker(worker: Worker) -> None:
-        worker.busy = worker_busy([r.busy_reason for r in worker.ranks if r.has_data])
+    def _refresh_worker(self, worker: Worker) -> None:
+        with_data = [r for r in worker.ranks if r.has_data]
+        worker.busy = worker_busy([r.busy_reason for r in with_data])
+        classes = len(self.shares)
+        if classes > 1:
+            worker.busy_by_class = [worker.busy] + [
+                worker_busy([r.class_reasons[c - 1] for r in with_data]) for c in range(1, classes)
+            ]
+        elif worker.busy_by_class:
+            worker.busy_by_class = []
 
     # ----- router estimates ----------------------------------------------------------
 

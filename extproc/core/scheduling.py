@@ -41,10 +41,12 @@ class Routed:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """Answer locally: ``outcome`` says why; ``retry_after`` is whole seconds (1-60)."""
+    """Answer locally: ``outcome`` says why; ``retry_after`` is whole seconds (1-60);
+    ``check`` names the busy check that fired (overload only)."""
 
     outcome: Outcome
     retry_after: int = 1
+    check: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +74,18 @@ def _queue_full(worker: Worker, rank: Rank) -> bool:
     return limit is not None and rank.est_prefill > limit
 
 
-def _best_rank(worker: Worker) -> Rank:
+def _busy(worker: Worker, cls: int) -> bool:
+    return worker.busy if cls == 0 else worker.busy_by_class[cls]
+
+
+def _best_rank(worker: Worker, cls: int = 0) -> Rank:
     ranks = worker.ranks
     if len(ranks) == 1:
         return ranks[0]
     best: Rank | None = None
     best_key: tuple[float, int] = (0.0, 0)
     for rank in ranks:
-        if rank.has_data and rank.busy_reason is not None:
+        if rank.has_data and rank.reason_for(cls) is not None:
             continue
         key = _rank_key(worker, rank)
         if best is None or key < best_key:
@@ -105,25 +111,37 @@ class Scheduler:
         self._turn = 0
         self._rng = rng or random.Random()
 
-    def decide(self, model: str, prompt_tokens: int) -> Decision:
-        """The decision for one request of ``model``; a routed one is dispatched."""
+    def decide(self, model: str, prompt_tokens: int, cls: int = 0) -> Decision:
+        """The decision for one request of ``model`` in request class ``cls`` (an index of
+        the pool's shares; 0 = the default class); a routed one is dispatched."""
         workers = self.pool.by_model.get(model)
         if not workers:
             return MODEL_NOT_FOUND if self.pool.by_model else NO_WORKERS
-        picked = self._pick(workers)
+        picked = self._pick(workers, cls)
         if picked is None:
-            return self.overloaded(model)
+            return self.overloaded(model, workers, cls)
         if isinstance(picked, Queued):
             return QUEUED
         worker, rank = picked
         ticket = self.pool.dispatch(worker, rank, prompt_tokens)
-        return Routed(ticket, self._fallbacks(workers, worker))
+        return Routed(ticket, self._fallbacks(workers, worker, cls))
 
-    def overloaded(self, model: str) -> Rejected:
-        """The overload rejection for ``model``, with its current Retry-After estimate."""
-        return Rejected(Outcome.OVERLOADED, self.pool.retry_after(model))
+    def overloaded(self, model: str, workers: list[Worker] | None = None, cls: int = 0) -> Rejected:
+        """The overload rejection for ``model``, with its current Retry-After estimate and
+        the check that fired on the first busy worker."""
+        check = None
+        now = self.pool.clock()
+        for w in workers or ():
+            if now < w.overloaded_until:
+                check = check or "worker_overloaded"
+                continue
+            reasons = [r.reason_for(cls) for r in w.ranks if r.has_data]
+            check = next((r for r in reasons if r is not None), None)
+            if check is not None:
+                break
+        return Rejected(Outcome.OVERLOADED, self.pool.retry_after(model), check)
 
-    def _pick(self, workers: list[Worker]) -> tuple[Worker, Rank] | Queued | None:
+    def _pick(self, workers: list[Worker], cls: int) -> tuple[Worker, Rank] | Queued | None:
         """The free worker and rank to use, QUEUED, or None when every worker is busy."""
         now = self.pool.clock()
         n = len(workers)
@@ -135,38 +153,38 @@ class Scheduler:
             start = turn % n
             for i in range(n):
                 w = workers[(start + i) % n]
-                if w.busy or now < w.overloaded_until:
+                if (w.busy if cls == 0 else w.busy_by_class[cls]) or now < w.overloaded_until:
                     continue
-                rank = _best_rank(w)
+                rank = _best_rank(w, cls)
                 key = _rank_key(w, rank)
                 if best is None or key < best_key:
                     best, best_rank, best_key = w, rank, key
             if best is None or best_rank is None:
                 return None
             if self.queue_threshold is not None and _queue_full(best, best_rank):
-                return self._least_loaded_not_queue_full(workers, now)
+                return self._least_loaded_not_queue_full(workers, now, cls)
             return best, best_rank
-        free = [w for w in workers if not w.busy and now >= w.overloaded_until]
+        free = [w for w in workers if not _busy(w, cls) and now >= w.overloaded_until]
         if not free:
             return None
         if self.queue_threshold is not None:
-            free = [w for w in free if not _queue_full(w, _best_rank(w))]
+            free = [w for w in free if not _queue_full(w, _best_rank(w, cls))]
             if not free:
                 return QUEUED
         w = free[turn % len(free)] if self.mode == "round-robin" else self._rng.choice(free)
-        return w, _best_rank(w)
+        return w, _best_rank(w, cls)
 
     def _least_loaded_not_queue_full(
-        self, workers: list[Worker], now: float
+        self, workers: list[Worker], now: float, cls: int
     ) -> tuple[Worker, Rank] | Queued:
         """The least-loaded free worker is queue-full: any other free one that is not?"""
         best: Worker | None = None
         best_rank: Rank | None = None
         best_key: tuple[float, int] = (0.0, 0)
         for w in workers:
-            if w.busy or now < w.overloaded_until:
+            if _busy(w, cls) or now < w.overloaded_until:
                 continue
-            rank = _best_rank(w)
+            rank = _best_rank(w, cls)
             if _queue_full(w, rank):
                 continue
             key = _rank_key(w, rank)
@@ -176,7 +194,7 @@ class Scheduler:
             return QUEUED
         return best, best_rank
 
-    def _fallbacks(self, workers: list[Worker], chosen: Worker) -> tuple[str, ...]:
+    def _fallbacks(self, workers: list[Worker], chosen: Worker, cls: int) -> tuple[str, ...]:
         """Endpoints of up to ``max_fallbacks`` other free workers, for retries."""
         limit = self.max_fallbacks
         if len(workers) < 2 or limit <= 0:
@@ -187,7 +205,12 @@ class Scheduler:
         start = self._turn % n
         for i in range(n):
             w = workers[(start + i) % n]
-            if w is chosen or w.busy or now < w.overloaded_until or w.endpoint == chosen.endpoint:
+            if (
+                w is chosen
+                or _busy(w, cls)
+                or now < w.overloaded_until
+                or w.endpoint == chosen.endpoint
+            ):
                 continue
             if w.endpoint not in out:
                 out.append(w.endpoint)

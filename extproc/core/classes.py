@@ -1,0 +1,257 @@
+"""Request classes: shed the sheddable first, keep headroom for critical traffic.
+
+A class is a name, a priority and its share of every busy threshold (critical 1.0 uses the
+configured limits; sheddable 0.7 sees a worker as busy at 70 % of them). A class may also
+set a prompt size above which its requests use a lower share, so a flood of huge prompts
+is shed before short interactive requests of the same class. Classes come from a YAML file
+(``--classes-file``), validated once at startup; a request names its class in a header
+(docs/classes.md). Without a file there is one class with the full share: the behaviour
+without classes, exactly.
+
+The pool keeps a busy flag per worker and *variant* (a class, or a class's large-prompt
+share): :meth:`ClassTable.variant` maps a request to the index the decision reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.core.busy import DECODE, FULL_SHARE, PREFILL, PREFILL_FRAC, Share
+
+DEFAULT_HEADER = "x-request-class"
+REJECTION_STATUSES = (429, 503, 529)
+MAX_SHARE = 10.0
+
+
+class ClassConfigError(ValueError):
+    """A class table that cannot be used; the message names the key and the value."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    """One request class as configured."""
+
+    name: str
+    priority: int
+    share: Share = FULL_SHARE
+    status: int | None = None  # None: the overload status
+    retry_after: int | None = None  # None: the estimate
+    large_prompt_tokens: int | None = None
+    large_prompt_share: Share | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "share": _share_dict(self.share),
+            "status": self.status,
+            "retry_after": self.retry_after,
+            "large_prompt": None
+            if self.large_prompt_tokens is None or self.large_prompt_share is None
+            else {
+                "above_tokens": self.large_prompt_tokens,
+                "share": _share_dict(self.large_prompt_share),
+            },
+        }
+
+
+def _share_dict(share: Share) -> dict[str, float]:
+    return {
+        DECODE: share.active_decode_blocks,
+        PREFILL: share.active_prefill_tokens,
+        PREFILL_FRAC: share.active_prefill_tokens_frac,
+    }
+
+
+@dataclass(frozen=True)
+class ClassTable:
+    """The classes in force: lookup by name and the variant index of a request."""
+
+    classes: tuple[RequestClass, ...] = (RequestClass("default", 0),)
+    default: str = "default"
+    header: str = DEFAULT_HEADER
+    trusted_marker: tuple[str, str | None] | None = None
+    _index: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _large: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.classes]
+        if self.default not in names:
+            raise ClassConfigError(f"default: {self.default!r} is not one of the classes")
+        ordered = [self.by_name(self.default)] + [c for c in self.classes if c.name != self.default]
+        for i, c in enumerate(ordered):
+            self._index[c.name] = i
+        n = len(ordered)
+        for c in ordered:
+            if c.large_prompt_share is not None:
+                self._large[c.name] = n
+                n += 1
+
+    @property
+    def enabled(self) -> bool:
+        """More than the single implicit class."""
+        return len(self.classes) > 1 or self.classes[0].share != FULL_SHARE
+
+    def by_name(self, name: str) -> RequestClass:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def shares(self) -> list[Share]:
+        """The pool's shares by variant index: classes (the default first), then the
+        large-prompt shares."""
+        out: list[Share] = [FULL_SHARE] * (len(self._index) + len(self._large))
+        for c in self.classes:
+            out[self._index[c.name]] = c.share
+            if c.name in self._large and c.large_prompt_share is not None:
+                out[self._large[c.name]] = c.large_prompt_share
+        return out
+
+    def resolve(self, name: str | None) -> tuple[RequestClass, bool]:
+        """The class a header value names, and whether the name was unknown (it is then
+        the default class, counted by the caller)."""
+        if name is None:
+            return self.by_name(self.default), False
+        index = self._index.get(name)
+        if index is None:
+            return self.by_name(self.default), True
+        return self.by_name(name), False
+
+    def variant(self, cls: RequestClass, prompt_tokens: int) -> int:
+        """The pool index a request of ``cls`` with ``prompt_tokens`` is decided under."""
+        limit = cls.large_prompt_tokens
+        if limit is not None and prompt_tokens > limit and cls.name in self._large:
+            return self._large[cls.name]
+        return self._index[cls.name]
+
+    def variant_names(self) -> list[str]:
+        """A label per variant index, for diagnostics: the class, or ``class/large``."""
+        out = [""] * (len(self._index) + len(self._large))
+        for name, i in self._index.items():
+            out[i] = name
+        for name, i in self._large.items():
+            out[i] = f"{name}/large"
+        return out
+
+
+# ----- parsing and validation (pure: the file is read by the caller) -------------------
+
+
+def _where(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _number(raw: object, where: str, lo: float, hi: float, what: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ClassConfigError(f"{where}: {raw!r} is not a number; expected {what}")
+    value = float(raw)
+    if not math.isfinite(value) or not lo < value <= hi:
+        raise ClassConfigError(f"{where}: {raw!r} is out of range; expected {what}")
+    return value
+
+
+def _int(raw: object, where: str, lo: int, hi: int, what: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
+        raise ClassConfigError(f"{where}: {raw!r} is not {what}")
+    return raw
+
+
+def parse_share(raw: object, where: str) -> Share:
+    """A number (every threshold) or a mapping of threshold name to share."""
+    what = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
+    if isinstance(raw, dict):
+        unknown = set(raw) - {DECODE, PREFILL, PREFILL_FRAC}
+        if unknown:
+            raise ClassConfigError(
+                f"{where}: unknown threshold {sorted(unknown)[0]!r}; expected "
+                f"{DECODE}, {PREFILL} or {PREFILL_FRAC}"
+            )
+        values = {k: _number(v, _where(where, k), 0.0, MAX_SHARE, what) for k, v in raw.items()}
+        return Share(
+            values.get(DECODE, 1.0), values.get(PREFILL, 1.0), values.get(PREFILL_FRAC, 1.0)
+        )
+    value = _number(raw, where, 0.0, MAX_SHARE, what)
+    return Share(value, value, value)
+
+
+_CLASS_KEYS = {"priority", "share", "status", "retry_after", "large_prompt"}
+
+
+def parse_class(name: object, raw: object, where: str) -> RequestClass:
+    if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
+        raise ClassConfigError(f"{where}: class name {name!r} must be 1-64 printable characters")
+    if not isinstance(raw, dict):
+        raise ClassConfigError(f"{where}: {raw!r} is not a mapping of class settings")
+    unknown = set(raw) - _CLASS_KEYS
+    if unknown:
+        raise ClassConfigError(
+            f"{_where(where, sorted(unknown)[0])}: unknown key; expected one of "
+            f"{', '.join(sorted(_CLASS_KEYS))}"
+        )
+    priority = _int(raw.get("priority", 0), _where(where, "priority"), 0, 1000, "an integer 0-1000")
+    share = parse_share(raw.get("share", 1.0), _where(where, "share"))
+    status = raw.get("status")
+    if status is not None and status not in REJECTION_STATUSES:
+        raise ClassConfigError(
+            f"{_where(where, 'status')}: {status!r} is not one of "
+            f"{', '.join(map(str, REJECTION_STATUSES))}"
+        )
+    retry = raw.get("retry_after")
+    if retry is not None:
+        retry = _int(retry, _where(where, "retry_after"), 1, 60, "whole seconds 1-60")
+    tokens = large = None
+    lp = raw.get("large_prompt")
+    if lp is not None:
+        lw = _where(where, "large_prompt")
+        if not isinstance(lp, dict) or set(lp) != {"above_tokens", "share"}:
+            raise ClassConfigError(f"{lw}: {lp!r} must have exactly above_tokens and share")
+        tokens = _int(lp["above_tokens"], _where(lw, "above_tokens"), 1, 2**31, "tokens >= 1")
+        large = parse_share(lp["share"], _where(lw, "share"))
+    return RequestClass(name, priority, share, status, retry, tokens, large)
+
+
+_TABLE_KEYS = {"classes", "default", "header", "trusted_marker"}
+
+
+def parse_table(raw: object) -> ClassTable:
+    """A validated :class:`ClassTable` from the parsed YAML document."""
+    if not isinstance(raw, dict):
+        raise ClassConfigError(f"the document is {type(raw).__name__}, expected a mapping")
+    unknown = set(raw) - _TABLE_KEYS
+    if unknown:
+        raise ClassConfigError(
+            f"{sorted(unknown)[0]}: unknown key; expected one of {', '.join(sorted(_TABLE_KEYS))}"
+        )
+    classes = raw.get("classes")
+    if not isinstance(classes, dict) or not classes:
+        raise ClassConfigError("classes: expected a mapping of class name to its settings")
+    parsed = tuple(parse_class(n, v, f"classes.{n}") for n, v in classes.items())
+    default = raw.get("default")
+    if not isinstance(default, str):
+        raise ClassConfigError(f"default: {default!r} is not a class name")
+    header = raw.get("header", DEFAULT_HEADER)
+    if not isinstance(header, str) or not header or header.lower() != header or ":" in header:
+        raise ClassConfigError(f"header: {header!r} is not a lower-case HTTP header name")
+    marker = raw.get("trusted_marker")
+    trusted: tuple[str, str | None] | None = None
+    if marker is not None:
+        if (
+            not isinstance(marker, dict)
+            or "header" not in marker
+            or set(marker)
+            - {
+                "header",
+                "value",
+            }
+        ):
+            raise ClassConfigError(f"trusted_marker: {marker!r} needs header (and may have value)")
+        mh, mv = marker["header"], marker.get("value")
+        if not isinstance(mh, str) or not mh or mh.lower() != mh:
+            raise ClassConfigError(f"trusted_marker.header: {mh!r} is not a lower-case header")
+        if mv is not None and not isinstance(mv, str):
+            raise ClassConfigError(f"trusted_marker.value: {mv!r} is not a string")
+        trusted = (mh, mv)
+    return ClassTable(parsed, default, header, trusted)
