@@ -68,7 +68,7 @@ overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds o
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"
-	$(PY) -m pytest -q tests/test_compose.py tests/test_compose_rehearsal.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/deploy/test_compose.py tests/deploy/test_compose_rehearsal.py tests/deploy/test_compose_replicas.py $(PYTEST_ARGS)
 
 compose-rehearsal: $(LOADTEST_STAMP) ## docker-compose.yml's services in network namespaces, no Docker (root; ARGS="--scale worker=3")
 	$(PY) -m tests.support.compose_netns $(ARGS)

@@ -129,7 +129,7 @@ class Stack:
 
     @property
     def envoy_config(self) -> Path:
-        """Output tokens are only observed with the observer config (README "Output tokens")."""
+        """Output tokens are observed only with the observer config (docs/envoy.md)."""
         name = "envoy-track-output.yaml" if self.cfg.track_output_blocks else "envoy.yaml"
         return checkout_file(f"envoy/{name}")
 
