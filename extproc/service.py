@@ -16,6 +16,7 @@ from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
+from extproc.core.classes import ClassRegistry, ClassTable
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
@@ -26,7 +27,7 @@ from extproc.handlers.processor import PROCESS_PATH, ExtProcHandler
 from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
 from extproc.openai.request import PromptTokenizer
-from extproc.settings import Settings, all_startup_warnings
+from extproc.settings import Settings, all_startup_warnings, load_class_table
 from extproc.transport.grpcio import GrpcioServer
 from extproc.transport.h2server import GrpcServer
 
@@ -130,8 +131,11 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     metrics.attach(pool, queue.depth if queue is not None else None)
     readiness = Readiness()
 
+    classes = ClassRegistry(
+        load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
+    )
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
-    runner = web.AppRunner(build_app(pool, metrics, readiness, auth), access_log=None)
+    runner = web.AppRunner(build_app(pool, metrics, readiness, auth, classes), access_log=None)
     await runner.setup()
     parts.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, settings.admin_host, settings.admin_port)

@@ -16,10 +16,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from extproc.core.busy import MAX_TOKEN_THRESHOLD
+from extproc.core.classes import ClassConfigError, ClassTable, parse_table
 from extproc.openai.errors import OVERLOAD_STATUS_ENV, overload_status_from_env
 
 RouterMode = Literal["kv", "round-robin", "random"]
@@ -29,6 +31,24 @@ ROUTER_MODES = ("kv", "round-robin", "random")
 ADMISSION_CONTROL_CHOICES = ("none", "token-capacity")
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
+
+
+def load_class_table(path: str) -> ClassTable:
+    """The request classes of a YAML file; ValueError naming the line or key and value."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read the classes file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+    try:
+        return parse_table(raw)
+    except ClassConfigError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def _loopback_endpoint(endpoint: str) -> bool:
@@ -134,6 +154,7 @@ SETTING_NAMES: dict[str, tuple[str, str]] = {
     "worker_allow": ("--worker-allow", "EXTPROC_WORKER_ALLOW"),
     "event_curve_secret_key": ("--event-curve-secret-key", "EXTPROC_EVENT_CURVE_SECRET_KEY"),
     "event_curve_publishers": ("--event-curve-publishers", "EXTPROC_EVENT_CURVE_PUBLISHERS"),
+    "classes_file": ("--classes-file", "EXTPROC_CLASSES_FILE"),
     "replica_id": ("--replica-id", "EXTPROC_REPLICA_ID"),
     "replica_publish": ("--replica-publish", "EXTPROC_REPLICA_PUBLISH"),
     "replica_interval": ("--replica-interval", "EXTPROC_REPLICA_INTERVAL"),
@@ -187,6 +208,7 @@ class Settings(BaseSettings):
     event_curve_publishers: str | None = Field(
         None, validation_alias="EXTPROC_EVENT_CURVE_PUBLISHERS"
     )
+    classes_file: str | None = Field(None, validation_alias="EXTPROC_CLASSES_FILE")
     replica_id: str | None = Field(None, validation_alias="EXTPROC_REPLICA_ID")
     replica_publish: list[str] = Field(
         default_factory=list, validation_alias="EXTPROC_REPLICA_PUBLISH"
@@ -324,6 +346,15 @@ class Settings(BaseSettings):
         except CurveKeyError as exc:
             raise ValueError(f"expected a directory of publisher public keys: {exc}") from None
         return str(v).strip()
+
+    @field_validator("classes_file", mode="before")
+    @classmethod
+    def _classes_file(cls, v: Any) -> str | None:
+        if v is None or str(v).strip() in _DISABLED:
+            return None
+        path = str(v).strip()
+        load_class_table(path)
+        return path
 
     @field_validator("replica_id", mode="before")
     @classmethod
@@ -614,6 +645,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ZeroMQ CURVE: directory of the admitted publishers' public key files (*.key). "
         "Default: off",
         metavar="DIR",
+    )
+
+    add(
+        router,
+        "classes_file",
+        "YAML file of request classes (name, priority, share of each threshold, status, "
+        "Retry-After, large-prompt share); docs/classes.md. Default: none (one class)",
+        metavar="FILE",
     )
 
     replicas = parser.add_argument_group(

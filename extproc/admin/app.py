@@ -8,8 +8,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admin.auth import AdminAuth, auth_middleware
+from extproc.admin.classes import add_routes as add_class_routes
 from extproc.admin.diagnostics import workers_view
 from extproc.admin.thresholds import add_routes as add_threshold_routes
+from extproc.core.classes import ClassRegistry
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import Metrics
 
@@ -28,7 +30,11 @@ class Readiness:
 
 
 def build_app(
-    pool: WorkerPool, metrics: Metrics, readiness: Readiness, auth: AdminAuth | None = None
+    pool: WorkerPool,
+    metrics: Metrics,
+    readiness: Readiness,
+    auth: AdminAuth | None = None,
+    classes: ClassRegistry | None = None,
 ) -> web.Application:
     app = web.Application(middlewares=[auth_middleware(auth or AdminAuth())])
 
@@ -57,4 +63,6 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_view)
     add_threshold_routes(app, pool)
+    if classes is not None:
+        add_class_routes(app, classes)
     return app

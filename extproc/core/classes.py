@@ -15,10 +15,12 @@ share): :meth:`ClassTable.variant` maps a request to the index the decision read
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.core.busy import DECODE, FULL_SHARE, PREFILL, PREFILL_FRAC, Share
+from extproc.core.pool import WorkerPool
 
 DEFAULT_HEADER = "x-request-class"
 REJECTION_STATUSES = (429, 503, 529)
@@ -255,3 +257,33 @@ def parse_table(raw: object) -> ClassTable:
             raise ClassConfigError(f"trusted_marker.value: {mv!r} is not a string")
         trusted = (mh, mv)
     return ClassTable(parsed, default, header, trusted)
+
+
+class ClassRegistry:
+    """The class table in force. The admin API changes one class at a time; the pool's
+    flags are recomputed at once and listeners (the handler's pre-built replies) told."""
+
+    def __init__(self, table: ClassTable, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.table = table
+        self.listeners: list[Callable[[ClassTable], None]] = []
+        pool.set_shares(table.shares())
+
+    def update_class(self, name: str, changes: dict[str, Any]) -> RequestClass:
+        """Apply ``changes`` (keys of a class's settings) to class ``name``; KeyError if no
+        such class, ClassConfigError (nothing changed) if the result is not valid."""
+        current = self.table.by_name(name)
+        raw = {k: v for k, v in current.as_dict().items() if k != "name"}
+        raw.update(changes)
+        updated = parse_class(name, raw, f"classes.{name}")
+        table = ClassTable(
+            tuple(updated if c.name == name else c for c in self.table.classes),
+            self.table.default,
+            self.table.header,
+            self.table.trusted_marker,
+        )
+        self.table = table
+        self.pool.set_shares(table.shares())
+        for listener in self.listeners:
+            listener(table)
+        return updated
