@@ -56,7 +56,8 @@ def build_app(
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def debug_workers(_: web.Request) -> web.Response:
-        return web.json_response(workers_view(pool))
+        names = classes.table.variant_names() if classes is not None else None
+        return web.json_response(workers_view(pool, names))
 
     app.router.add_get("/debug/workers", debug_workers)
     app.router.add_get("/health", health)

@@ -83,7 +83,23 @@ def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str,
     }
 
 
-def worker_view(pool: WorkerPool, worker: Worker, now: float) -> dict[str, Any]:
+def _by_class(worker: Worker, names: list[str]) -> dict[str, Any] | None:
+    """Per request class (and large-prompt share): busy, and the check that fired."""
+    if len(names) < 2 or not worker.busy_by_class:
+        return None
+    out: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        fired = [r.reason_for(i) for r in worker.ranks if r.has_data]
+        out[name] = {
+            "busy": worker.busy_by_class[i],
+            "fired": next((f for f in fired if f is not None), None),
+        }
+    return out
+
+
+def worker_view(
+    pool: WorkerPool, worker: Worker, now: float, class_names: list[str] | None = None
+) -> dict[str, Any]:
     ranks = [_rank(pool, worker, r, now) for r in worker.ranks]
     state = worker.state(now) if worker.configured else "not_routable"
     if state == "busy":
@@ -116,16 +132,18 @@ def worker_view(pool: WorkerPool, worker: Worker, now: float) -> dict[str, Any]:
         "last_load_age_s": _age(now, worker.last_load_at),
         "expires_in_s": round(worker.last_seen + pool.worker_ttl - now, 3),
         "thresholds": pool.thresholds_for(worker.model).as_dict() if worker.model else None,
+        "classes": _by_class(worker, class_names or []),
         "ranks": ranks,
     }
 
 
-def workers_view(pool: WorkerPool) -> dict[str, Any]:
+def workers_view(pool: WorkerPool, class_names: list[str] | None = None) -> dict[str, Any]:
+    """``class_names``: a label per class variant, when request classes are configured."""
     now = pool.clock()
     return {
         "router_mode_kv": pool.kv_mode,
         "track_output_blocks": pool.track_output_blocks,
         "worker_ttl_s": pool.worker_ttl,
         "counts": pool.counts(),
-        "workers": [worker_view(pool, w, now) for w in pool.workers.values()],
+        "workers": [worker_view(pool, w, now, class_names) for w in pool.workers.values()],
     }
