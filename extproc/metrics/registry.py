@@ -56,6 +56,17 @@ class Metrics:
             ["model", "endpoint"],
             registry=r,
         )
+        self.by_class = Counter(
+            "extproc_requests_by_class",
+            "Inference requests by request class and outcome (routed or overloaded).",
+            ["model", "endpoint", "class", "outcome"],
+            registry=r,
+        )
+        self.class_unknown = Counter(
+            "extproc_request_class_unknown",
+            "Requests that named a class that is not configured (decided as the default).",
+            registry=r,
+        )
         self.decisions = Counter(
             "extproc_decisions", "Routing decisions by outcome.", ["outcome"], registry=r
         )
