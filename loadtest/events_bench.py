@@ -163,8 +163,10 @@ def lost_events(ext: Extproc) -> float:
 
 
 def announce_event_workers(ext: Extproc, pub: Publisher, workers: int, endpoint: str) -> None:
+    host, _, port = endpoint.rpartition(":")
     for i in range(workers):
-        pub.config(f"ev-{i}", EVENT_MODEL, endpoint, kv_total_blocks=1000)
+        # One endpoint per worker: an endpoint serving a model is one engine.
+        pub.config(f"ev-{i}", EVENT_MODEL, f"{host}:{int(port) + 1 + i}", kv_total_blocks=1000)
     wait_until(
         lambda: sum(w.startswith("ev-") for w in ext.workers()) == workers,
         20,

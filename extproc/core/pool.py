@@ -209,8 +209,8 @@ class WorkerPool:
         self.clock = clock
         self.workers: dict[str, Worker] = {}
         self.by_model: dict[str, list[Worker]] = {}
-        # One endpoint is one engine: the worker that announced it last.
-        self.by_endpoint: dict[str, Worker] = {}
+        # One endpoint serving one model is one engine: the worker that announced it last.
+        self.by_endpoint: dict[tuple[str, str], Worker] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
@@ -279,8 +279,9 @@ class WorkerPool:
         endpoint moves the worker, which serves the new model at the new endpoint from the
         next decision on, keeping its load and in-flight estimates; a changed ``dp_size``
         keeps the ranks both sizes have. An endpoint belongs to the worker that announced it
-        last: another worker that held it is removed as if it had said ``bye``. Returns the
-        ids of the workers so removed.
+        last for that model: another worker that held it for the same model is removed as if it
+        had said ``bye`` (workers of other models may share an endpoint: one engine serving
+        several models). Returns the ids of the workers so removed.
         """
         if not self.allow.allows(endpoint):
             raise EndpointNotAllowed(f"endpoint {endpoint} not in --worker-allow")
@@ -292,13 +293,15 @@ class WorkerPool:
         if worker.configured and worker.model != model:
             self._unlink(worker)
         displaced: list[str] = []
-        holder = self.by_endpoint.get(endpoint)
+        key = (endpoint, model)
+        holder = self.by_endpoint.get(key)
         if holder is not None and holder is not worker:
             self.leave(holder.worker_id)
             displaced.append(holder.worker_id)
-        if worker.endpoint != endpoint and self.by_endpoint.get(worker.endpoint) is worker:
-            del self.by_endpoint[worker.endpoint]
-        self.by_endpoint[endpoint] = worker
+        old = (worker.endpoint, worker.model)
+        if old != key and self.by_endpoint.get(old) is worker:
+            del self.by_endpoint[old]
+        self.by_endpoint[key] = worker
         size = dp_size or 1
         if size != len(worker.ranks):
             ranks = worker.ranks[:size]
@@ -374,8 +377,8 @@ class WorkerPool:
             return False
         if worker.configured:
             self._unlink(worker)
-            if self.by_endpoint.get(worker.endpoint) is worker:
-                del self.by_endpoint[worker.endpoint]
+            if self.by_endpoint.get((worker.endpoint, worker.model)) is worker:
+                del self.by_endpoint[(worker.endpoint, worker.model)]
         return True
 
     def expire(self) -> list[str]:

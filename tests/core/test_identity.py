@@ -111,6 +111,11 @@ ROWS = [
         gone={"old"},
     ),
     Row(
+        "two models served from one endpoint (one engine, several models) coexist",
+        [("config", "base", "m1", A, {}), ("config", "lora", "m2", A, {})],
+        {"m1": {"base": A}, "m2": {"lora": A}},
+    ),
+    Row(
         "a worker moves onto another's endpoint",
         [("config", "x", "m", A, {}), ("config", "y", "m", B, {}), ("config", "y", "m", A, {})],
         {"m": {"y": A}},
@@ -157,9 +162,9 @@ def test_identity_rules(row: Row) -> None:
         assert len(pool.workers[wid].ranks) == n
     for wid in row.gone:
         assert wid not in pool.workers
-    # Every endpoint maps to exactly the worker routed there, and nothing else.
-    assert {e: w.worker_id for e, w in pool.by_endpoint.items()} == {
-        e: wid for workers in row.routable.values() for wid, e in workers.items()
+    # Every (endpoint, model) maps to exactly the worker routed there, and nothing else.
+    assert {k: w.worker_id for k, w in pool.by_endpoint.items()} == {
+        (e, model): wid for model, workers in row.routable.items() for wid, e in workers.items()
     }
     # A request for each model goes to one of the table's workers, at the table's endpoint.
     sched = Scheduler(pool)
