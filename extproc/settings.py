@@ -21,9 +21,10 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -43,9 +44,11 @@ from extproc.openai.errors import (
 
 RouterMode = Literal["kv", "round-robin", "random"]
 GrpcServerKind = Literal["builtin", "grpcio"]
-GRPC_SERVERS: tuple[str, ...] = ("builtin", "grpcio")
-ROUTER_MODES = ("kv", "round-robin", "random")
-ADMISSION_CONTROL_CHOICES = ("none", "token-capacity")
+AdmissionControl = Literal["none", "token-capacity"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+GRPC_SERVERS: tuple[str, ...] = get_args(GrpcServerKind)
+ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
+ADMISSION_CONTROL_CHOICES: tuple[str, ...] = get_args(AdmissionControl)
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
 _ZMQ = re.compile(r"^(tcp|ipc|inproc)://.+")
@@ -152,11 +155,17 @@ def setting(
     *,
     expected: str,
     metavar: str | None = None,
-    action: Any = None,
+    action: Literal["append", "toggle"] | None = None,
     **bounds: Any,
 ) -> Any:
-    """One row of the settings table: a pydantic Field carrying its flag and --help text."""
-    extra = {
+    """One row of the settings table: a pydantic Field carrying its flag and --help text.
+
+    ``env`` is the variable pydantic-settings reads; ``flag`` None means env only;
+    ``metavar`` names the value's unit in ``--help`` (SECONDS, TOKENS, FRACTION, ...);
+    ``expected`` is what an error says a valid value looks like; ``bounds`` are
+    pydantic Field constraints (ge, le, gt, allow_inf_nan).
+    """
+    extra: JsonDict = {
         "flag": flag,
         "env": env,
         "group": group,
@@ -267,7 +276,7 @@ class Settings(BaseSettings):
         "router",
         "count generated tokens into the router's own active-block estimate; needs "
         "response bodies observed (envoy/envoy-track-output.yaml). Default: off",
-        action=argparse.BooleanOptionalAction,
+        action="toggle",
         expected="true or false",
     )
     router_queue_threshold: OptNumber = setting(
@@ -304,9 +313,7 @@ class Settings(BaseSettings):
         metavar="PATH",
         expected="a local tokenizer.json file",
     )
-    admission_control: Annotated[
-        Literal["none", "token-capacity"] | None, BeforeValidator(_text)
-    ] = setting(
+    admission_control: Annotated[AdmissionControl | None, BeforeValidator(_text)] = setting(
         None,
         "--admission-control",
         "DYN_ADMISSION_CONTROL",
@@ -440,10 +447,7 @@ class Settings(BaseSettings):
     )
 
     # logging --------------------------------------------------------------------------
-    log_level: Annotated[
-        Literal["DEBUG", "INFO", "WARNING", "ERROR"],
-        BeforeValidator(_upper),
-    ] = setting(
+    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = setting(
         "INFO",
         "--log-level",
         "EXTPROC_LOG_LEVEL",
@@ -550,6 +554,9 @@ SETTING_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+_ACTIONS: dict[str, Any] = {"append": "append", "toggle": argparse.BooleanOptionalAction}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line, generated from the settings table."""
     parser = argparse.ArgumentParser(
@@ -578,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         if row["metavar"]:
             kw["metavar"] = row["metavar"]
         if row["action"]:
-            kw["action"] = row["action"]
+            kw["action"] = _ACTIONS[row["action"]]
         groups[row["group"]].add_argument(row["flag"], **kw)
     return parser
 
