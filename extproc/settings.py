@@ -1,36 +1,73 @@
 """Service settings: command-line flags over environment variables (docs/configuration.md).
 
-Every setting is a flag and an environment variable. Threshold names follow
-the Dynamo frontend (``DYN_*``); the service's own settings use ``EXTPROC_*``.
-A flag wins over its variable. Values are validated once, here, into an
-immutable :class:`Settings`; an invalid value is a :class:`SettingsError`
-naming the flag or variable, the value and what was expected (exit code 2).
+Every setting is declared once, as a field of :class:`Settings`: its type and
+bounds, default, flag, environment variable (``DYN_*`` for the thresholds, as the
+Dynamo frontend names them; ``EXTPROC_*`` for the service's own), help text with
+its unit, ``--help`` group, and what a valid value looks like. The argparse
+parser and ``--help`` are generated from those fields; pydantic-settings reads the
+environment. A flag wins over its variable. An invalid value is a
+:class:`SettingsError` naming the flag or variable, the value and what was
+expected (exit code 2).
+
+pydantic-settings' own CLI source is not used: it groups ``--help`` only by nested
+models (which would rename the attributes the service reads), does not show the
+environment variables, and its errors name the field rather than the flag.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from contextvars import ContextVar
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import JsonDict
+from pydantic_core import PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from extproc.core.busy import MAX_TOKEN_THRESHOLD
 from extproc.core.classes import ClassConfigError, ClassTable, parse_table
-from extproc.openai.errors import OVERLOAD_STATUS_ENV, overload_status_from_env
+from extproc.core.loopback import is_loopback_host
+from extproc.openai.errors import (
+    DEFAULT_OVERLOAD_STATUS,
+    OVERLOAD_STATUS_ENV,
+    overload_status_from_env,
+)
 
 RouterMode = Literal["kv", "round-robin", "random"]
 GrpcServerKind = Literal["builtin", "grpcio"]
-GRPC_SERVERS: tuple[str, ...] = ("builtin", "grpcio")
-ROUTER_MODES = ("kv", "round-robin", "random")
-ADMISSION_CONTROL_CHOICES = ("none", "token-capacity")
+AdmissionControl = Literal["none", "token-capacity"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+GRPC_SERVERS: tuple[str, ...] = get_args(GrpcServerKind)
+ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
+ADMISSION_CONTROL_CHOICES: tuple[str, ...] = get_args(AdmissionControl)
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
+_ZMQ = re.compile(r"^(tcp|ipc|inproc)://.+")
+
+# --help groups, in order: key -> title
+GROUPS = {
+    "busy": "busy thresholds (per model; defaults for new models)",
+    "router": "router",
+    "listen": "listeners",
+    "events": "worker load events (ZeroMQ)",
+    "replicas": "replicas (share in-flight estimates and threshold changes; docs/replicas.md)",
+    "logging": "logging",
+}
+
+
+class SettingsError(ValueError):
+    """An invalid setting; the message names the flag or variable and the value."""
 
 
 def load_class_table(path: str) -> ClassTable:
@@ -53,171 +90,481 @@ def load_class_table(path: str) -> ClassTable:
 
 def _loopback_endpoint(endpoint: str) -> bool:
     """A ZMQ endpoint only this machine reaches: ipc://, inproc://, or tcp:// on loopback."""
-    from extproc.admin.auth import is_loopback_host
-
     scheme, _, rest = endpoint.partition("://")
     if scheme != "tcp":
         return True
-    host = rest.rsplit(":", 1)[0]
-    return is_loopback_host(host)
+    return is_loopback_host(rest.rsplit(":", 1)[0])
 
 
-class SettingsError(ValueError):
-    """An invalid setting; the message names the flag or variable and the value."""
+class OverloadStatus(NamedTuple):
+    """The rejection status from DYN_HTTP_OVERLOAD_STATUS_CODE and the warning, if invalid."""
+
+    status: int = DEFAULT_OVERLOAD_STATUS
+    warning: str | None = None
 
 
-def _opt_float(raw: Any, lo: float, hi: float | None, what: str) -> float | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool):
-        raise ValueError(f"expected {what}")
-    if isinstance(raw, str):
-        text = raw.strip()
-        if text in _DISABLED:
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"expected {what}") from None
-    elif isinstance(raw, (int, float)):
-        value = float(raw)
-    else:
-        raise ValueError(f"expected {what}")
-    if not math.isfinite(value) or value < lo or (hi is not None and value > hi):
-        raise ValueError(f"expected {what}")
-    return value
+# value shapes, applied before pydantic's type and bound checks -------------------
 
 
-def _opt_int(raw: Any, lo: int, hi: int, what: str) -> int | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool):
-        raise ValueError(f"expected {what}")
-    if isinstance(raw, str):
-        text = raw.strip()
-        if text in _DISABLED:
-            return None
-        if not _INT.match(text):
-            raise ValueError(f"expected {what}")
-        value = int(text)
-    elif isinstance(raw, int):
-        value = raw
-    else:
-        raise ValueError(f"expected {what}")
-    if not lo <= value <= hi:
-        raise ValueError(f"expected {what}")
-    return value
+def _invalid() -> PydanticCustomError:
+    # shown as the setting's own "expected ..." text
+    return PydanticCustomError("invalid", "invalid value")
 
 
-def _split_list(raw: Any) -> list[str]:
-    if raw is None:
+def _text(v: Any) -> Any:
+    return v.strip() if isinstance(v, str) else v
+
+
+def _off(v: Any) -> Any:
+    """'None', 'none', empty or blank: the setting is off."""
+    v = _text(v)
+    return None if v is None or v in _DISABLED else v
+
+
+def _whole(v: Any) -> Any:
+    """Digits only (an optional '+'): no '1.0', '1e3' or '1_000'."""
+    v = _text(v)
+    if isinstance(v, bool) or (isinstance(v, str) and not _INT.match(v)):
+        raise _invalid()
+    return int(v) if isinstance(v, str) else v
+
+
+def _flag_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", "", "none"):
+        return False
+    raise _invalid()
+
+
+def _items(v: Any) -> list[str]:
+    """A comma-separated string, or repeated flags each possibly comma-separated."""
+    if v is None:
         return []
-    items = [raw] if isinstance(raw, str) else list(raw)
     out: list[str] = []
-    for item in items:
+    for item in [v] if isinstance(v, str) else list(v):
         out.extend(p.strip() for p in str(item).split(",") if p.strip())
     return out
 
 
-# name -> (flag, env var). The order here is the order of --help groups below.
-SETTING_NAMES: dict[str, tuple[str, str]] = {
-    "active_decode_blocks_threshold": (
-        "--active-decode-blocks-threshold",
-        "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-    ),
-    "active_prefill_tokens_threshold": (
-        "--active-prefill-tokens-threshold",
-        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
-    ),
-    "active_prefill_tokens_threshold_frac": (
-        "--active-prefill-tokens-threshold-frac",
-        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
-    ),
-    "router_mode": ("--router-mode", "DYN_ROUTER_MODE"),
-    "router_track_output_blocks": (
-        "--router-track-output-blocks",
-        "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
-    ),
-    "router_queue_threshold": ("--router-queue-threshold", "DYN_ROUTER_QUEUE_THRESHOLD"),
-    "router_queue_timeout": ("--router-queue-timeout", "EXTPROC_ROUTER_QUEUE_TIMEOUT"),
-    "admission_control": ("--admission-control", "DYN_ADMISSION_CONTROL"),
-    "grpc_host": ("--grpc-host", "EXTPROC_GRPC_HOST"),
-    "grpc_port": ("--grpc-port", "EXTPROC_GRPC_PORT"),
-    "grpc_server": ("--grpc-server", "EXTPROC_GRPC_SERVER"),
-    "admin_host": ("--admin-host", "EXTPROC_ADMIN_HOST"),
-    "admin_port": ("--admin-port", "EXTPROC_ADMIN_PORT"),
-    "admin_token": ("--admin-token", "EXTPROC_ADMIN_TOKEN"),
-    "event_bind": ("--event-bind", "EXTPROC_EVENT_BIND"),
-    "event_connect": ("--event-connect", "EXTPROC_EVENT_CONNECT"),
-    "worker_ttl": ("--worker-ttl", "EXTPROC_WORKER_TTL"),
-    "startup_grace": ("--startup-grace", "EXTPROC_STARTUP_GRACE"),
-    "worker_allow": ("--worker-allow", "EXTPROC_WORKER_ALLOW"),
-    "event_curve_secret_key": ("--event-curve-secret-key", "EXTPROC_EVENT_CURVE_SECRET_KEY"),
-    "event_curve_publishers": ("--event-curve-publishers", "EXTPROC_EVENT_CURVE_PUBLISHERS"),
-    "classes_file": ("--classes-file", "EXTPROC_CLASSES_FILE"),
-    "replica_id": ("--replica-id", "EXTPROC_REPLICA_ID"),
-    "replica_publish": ("--replica-publish", "EXTPROC_REPLICA_PUBLISH"),
-    "replica_interval": ("--replica-interval", "EXTPROC_REPLICA_INTERVAL"),
-    "replica_ttl": ("--replica-ttl", "EXTPROC_REPLICA_TTL"),
-    "tokenizer": ("--tokenizer", "EXTPROC_TOKENIZER"),
-    "log_level": ("--log-level", "EXTPROC_LOG_LEVEL"),
-}
+def _overload(v: Any) -> OverloadStatus:
+    if isinstance(v, OverloadStatus):
+        return v
+    return OverloadStatus(*overload_status_from_env({OVERLOAD_STATUS_ENV: str(v)}))
+
+
+def _lower(v: Any) -> Any:
+    return v.strip().lower() if isinstance(v, str) else v
+
+
+def _upper(v: Any) -> Any:
+    return v.strip().upper() if isinstance(v, str) else v
+
+
+def _opt_whole(v: Any) -> Any:
+    return None if _off(v) is None else _whole(v)
+
+
+Number = Annotated[float, BeforeValidator(_text)]
+Whole = Annotated[int, BeforeValidator(_whole)]
+OptNumber = Annotated[float | None, BeforeValidator(_off)]
+OptWhole = Annotated[int | None, BeforeValidator(_opt_whole)]
+Items = Annotated[list[str], NoDecode, BeforeValidator(_items)]
+
+
+def setting(
+    default: Any,
+    flag: str | None,
+    env: str,
+    group: str,
+    help: str,
+    *,
+    expected: str,
+    metavar: str | None = None,
+    action: Literal["append", "toggle"] | None = None,
+    **bounds: Any,
+) -> Any:
+    """One row of the settings table: a pydantic Field carrying its flag and --help text.
+
+    ``env`` is the variable pydantic-settings reads; ``flag`` None means env only;
+    ``metavar`` names the value's unit in ``--help`` (SECONDS, TOKENS, FRACTION, ...);
+    ``expected`` is what an error says a valid value looks like; ``bounds`` are
+    pydantic Field constraints (ge, le, gt, allow_inf_nan).
+    """
+    extra: JsonDict = {
+        "flag": flag,
+        "env": env,
+        "group": group,
+        "expected": expected,
+        "metavar": metavar,
+        "action": action,
+    }
+    if callable(default):
+        return Field(
+            default_factory=default,
+            validation_alias=env,
+            description=help,
+            json_schema_extra=extra,
+            **bounds,
+        )
+    return Field(default, validation_alias=env, description=help, json_schema_extra=extra, **bounds)
+
+
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "extproc_settings_environ", default=None
+)
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (os.environ by default)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return self._environ  # names are case-sensitive; empty values are kept
 
 
 class Settings(BaseSettings):
-    """Validated, immutable configuration of the extproc service."""
+    """Validated, immutable configuration of the extproc service: the table of settings."""
 
     model_config = SettingsConfigDict(
-        frozen=True, extra="ignore", populate_by_name=True, env_ignore_empty=False
+        frozen=True,
+        extra="ignore",
+        populate_by_name=True,
+        case_sensitive=True,
+        env_ignore_empty=False,
     )
 
-    active_decode_blocks_threshold: float | None = Field(
-        None, validation_alias="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD"
+    # busy thresholds ------------------------------------------------------------------
+    active_decode_blocks_threshold: OptNumber = setting(
+        None,
+        "--active-decode-blocks-threshold",
+        "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+        "busy",
+        "KV-block utilisation fraction in [0, 1]: a rank is busy when active decode blocks "
+        "> value x kv_total_blocks (kv router mode only). Default: off",
+        metavar="FRACTION",
+        expected="a number in [0, 1], or None to disable",
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
     )
-    active_prefill_tokens_threshold: int | None = Field(
-        None, validation_alias="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD"
+    active_prefill_tokens_threshold: OptWhole = setting(
+        None,
+        "--active-prefill-tokens-threshold",
+        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
+        "busy",
+        "tokens: a rank is busy when active prefill tokens > value. Default: off",
+        metavar="TOKENS",
+        expected="a whole number of tokens >= 0, or None to disable",
+        ge=0,
+        le=MAX_TOKEN_THRESHOLD,
     )
-    active_prefill_tokens_threshold_frac: float | None = Field(
-        None, validation_alias="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC"
+    active_prefill_tokens_threshold_frac: OptNumber = setting(
+        None,
+        "--active-prefill-tokens-threshold-frac",
+        "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
+        "busy",
+        "multiple of the worker's max_num_batched_tokens (may exceed 1): busy when active "
+        "prefill tokens > floor(value x max_num_batched_tokens). Default: off",
+        metavar="MULTIPLE",
+        expected="a number >= 0 (may exceed 1), or None to disable",
+        ge=0.0,
+        allow_inf_nan=False,
     )
-    router_mode: RouterMode = Field("kv", validation_alias="DYN_ROUTER_MODE")
-    router_track_output_blocks: bool = Field(
-        False, validation_alias="DYN_ROUTER_TRACK_OUTPUT_BLOCKS"
+    overload: Annotated[OverloadStatus, NoDecode, BeforeValidator(_overload)] = setting(
+        OverloadStatus(),
+        None,
+        OVERLOAD_STATUS_ENV,
+        "busy",
+        f"HTTP status of rejections, 200-999; anything else means {DEFAULT_OVERLOAD_STATUS} "
+        "with a warning. Default: 529",
+        expected="an integer in 200-999",
     )
-    router_queue_threshold: float | None = Field(
-        None, validation_alias="DYN_ROUTER_QUEUE_THRESHOLD"
+
+    # router ---------------------------------------------------------------------------
+    router_mode: Annotated[RouterMode, BeforeValidator(_text)] = setting(
+        "kv",
+        "--router-mode",
+        "DYN_ROUTER_MODE",
+        "router",
+        "kv = least-loaded free worker by KV utilisation then prefill tokens; "
+        "round-robin; random. Default: kv",
+        metavar="{kv,round-robin,random}",
+        expected=f"one of {', '.join(ROUTER_MODES)}",
     )
-    router_queue_timeout: float = Field(5.0, validation_alias="EXTPROC_ROUTER_QUEUE_TIMEOUT")
-    admission_control: str | None = Field(None, validation_alias="DYN_ADMISSION_CONTROL")
-    grpc_host: str = Field("127.0.0.1", validation_alias="EXTPROC_GRPC_HOST")
-    grpc_port: int = Field(9002, validation_alias="EXTPROC_GRPC_PORT")
-    grpc_server: GrpcServerKind = Field("builtin", validation_alias="EXTPROC_GRPC_SERVER")
-    admin_host: str = Field("127.0.0.1", validation_alias="EXTPROC_ADMIN_HOST")
-    admin_port: int = Field(9003, validation_alias="EXTPROC_ADMIN_PORT")
-    admin_token: str | None = Field(None, validation_alias="EXTPROC_ADMIN_TOKEN")
-    event_bind: list[str] = Field(
-        default_factory=lambda: ["tcp://127.0.0.1:5557"], validation_alias="EXTPROC_EVENT_BIND"
+    router_track_output_blocks: Annotated[bool, BeforeValidator(_flag_bool)] = setting(
+        False,
+        "--router-track-output-blocks",
+        "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
+        "router",
+        "count generated tokens into the router's own active-block estimate; needs "
+        "response bodies observed (envoy/envoy-track-output.yaml). Default: off",
+        action="toggle",
+        expected="true or false",
     )
-    event_connect: list[str] = Field(default_factory=list, validation_alias="EXTPROC_EVENT_CONNECT")
-    worker_ttl: float = Field(10.0, validation_alias="EXTPROC_WORKER_TTL")
-    startup_grace: float = Field(1.0, validation_alias="EXTPROC_STARTUP_GRACE")
-    worker_allow: list[str] = Field(default_factory=list, validation_alias="EXTPROC_WORKER_ALLOW")
-    event_curve_secret_key: str | None = Field(
-        None, validation_alias="EXTPROC_EVENT_CURVE_SECRET_KEY"
+    router_queue_threshold: OptNumber = setting(
+        None,
+        "--router-queue-threshold",
+        "DYN_ROUTER_QUEUE_THRESHOLD",
+        "router",
+        "multiple of max_num_batched_tokens: hold requests in the router while every "
+        "eligible worker has router-tracked prefill tokens above it. Default: off",
+        metavar="MULTIPLE",
+        expected="a number >= 0 (may exceed 1), or None to disable",
+        ge=0.0,
+        allow_inf_nan=False,
     )
-    event_curve_publishers: str | None = Field(
-        None, validation_alias="EXTPROC_EVENT_CURVE_PUBLISHERS"
+    router_queue_timeout: Number = setting(
+        5.0,
+        "--router-queue-timeout",
+        "EXTPROC_ROUTER_QUEUE_TIMEOUT",
+        "router",
+        "seconds a request may wait in the router queue before the overload reply. Default: 5",
+        metavar="SECONDS",
+        expected="seconds in (0, 28] (Envoy's max_message_timeout is 30 s)",
+        gt=0.0,
+        le=28.0,
+        allow_inf_nan=False,
     )
-    classes_file: str | None = Field(None, validation_alias="EXTPROC_CLASSES_FILE")
-    replica_id: str | None = Field(None, validation_alias="EXTPROC_REPLICA_ID")
-    replica_publish: list[str] = Field(
-        default_factory=list, validation_alias="EXTPROC_REPLICA_PUBLISH"
+    tokenizer: str | None = setting(
+        None,
+        "--tokenizer",
+        "EXTPROC_TOKENIZER",
+        "router",
+        "path of a local tokenizer.json for exact prompt-token counts (tokenizers library; "
+        "never downloaded). Default: estimate ceil(UTF-8 bytes / 4)",
+        metavar="PATH",
+        expected="a local tokenizer.json file",
     )
-    replica_interval: float = Field(1.0, validation_alias="EXTPROC_REPLICA_INTERVAL")
-    replica_ttl: float = Field(3.0, validation_alias="EXTPROC_REPLICA_TTL")
-    tokenizer: str | None = Field(None, validation_alias="EXTPROC_TOKENIZER")
-    log_level: str = Field("INFO", validation_alias="EXTPROC_LOG_LEVEL")
-    overload_status: int = 529
+    classes_file: str | None = setting(
+        None,
+        "--classes-file",
+        "EXTPROC_CLASSES_FILE",
+        "router",
+        "YAML file of request classes (name, priority, share of each threshold, status, "
+        "Retry-After, large-prompt share); docs/classes.md. Default: none (one class)",
+        metavar="FILE",
+        expected="a YAML file of request classes",
+    )
+    admission_control: Annotated[AdmissionControl | None, BeforeValidator(_text)] = setting(
+        None,
+        "--admission-control",
+        "DYN_ADMISSION_CONTROL",
+        "router",
+        "deprecated, no effect (accepted for old launch commands): none | token-capacity",
+        metavar="{none,token-capacity}",
+        expected=f"one of {', '.join(ADMISSION_CONTROL_CHOICES)}",
+    )
+
+    # listeners ------------------------------------------------------------------------
+    grpc_host: str = setting(
+        "127.0.0.1",
+        "--grpc-host",
+        "EXTPROC_GRPC_HOST",
+        "listen",
+        "ext_proc gRPC listen address. Default: 127.0.0.1",
+        metavar="HOST",
+        expected="a host",
+    )
+    grpc_port: Whole = setting(
+        9002,
+        "--grpc-port",
+        "EXTPROC_GRPC_PORT",
+        "listen",
+        "ext_proc gRPC listen port. Default: 9002",
+        metavar="PORT",
+        expected="a TCP port 0-65535 (0 = any free port)",
+        ge=0,
+        le=65535,
+    )
+    grpc_server: Annotated[GrpcServerKind, BeforeValidator(_lower)] = setting(
+        "builtin",
+        "--grpc-server",
+        "EXTPROC_GRPC_SERVER",
+        "listen",
+        "builtin = the extproc's own HTTP/2 server on the event loop (about 4x less CPU per "
+        "request); grpcio = grpcio's asyncio server. Default: builtin",
+        metavar="{builtin,grpcio}",
+        expected=f"one of {', '.join(GRPC_SERVERS)}",
+    )
+    admin_host: str = setting(
+        "127.0.0.1",
+        "--admin-host",
+        "EXTPROC_ADMIN_HOST",
+        "listen",
+        "admin HTTP listen address; anything but loopback needs --admin-token for POST. "
+        "Default: 127.0.0.1",
+        metavar="HOST",
+        expected="a host",
+    )
+    admin_port: Whole = setting(
+        9003,
+        "--admin-port",
+        "EXTPROC_ADMIN_PORT",
+        "listen",
+        "admin HTTP port. Default: 9003",
+        metavar="PORT",
+        expected="a TCP port 0-65535 (0 = any free port)",
+        ge=0,
+        le=65535,
+    )
+    admin_token: str | None = setting(
+        None,
+        "--admin-token",
+        "EXTPROC_ADMIN_TOKEN",
+        "listen",
+        "bearer token required for POST /busy_threshold when the admin API is not on "
+        "loopback. Default: none",
+        metavar="TOKEN",
+        expected="a token",
+    )
+
+    # worker load events ---------------------------------------------------------------
+    event_bind: Items = setting(
+        lambda: ["tcp://127.0.0.1:5557"],
+        "--event-bind",
+        "EXTPROC_EVENT_BIND",
+        "events",
+        "ZMQ endpoint(s) the SUB socket binds, comma-separated or repeated. "
+        "Default: tcp://127.0.0.1:5557",
+        metavar="ENDPOINT",
+        action="append",
+        expected="ZMQ endpoints like tcp://127.0.0.1:5557",
+    )
+    event_connect: Items = setting(
+        list,
+        "--event-connect",
+        "EXTPROC_EVENT_CONNECT",
+        "events",
+        "ZMQ endpoint(s) the SUB socket connects to (publishers that bind). Default: none",
+        metavar="ENDPOINT",
+        action="append",
+        expected="ZMQ endpoints like tcp://127.0.0.1:5557",
+    )
+    worker_ttl: Number = setting(
+        10.0,
+        "--worker-ttl",
+        "EXTPROC_WORKER_TTL",
+        "events",
+        "seconds: a worker silent this long is removed as if it said bye. Default: 10",
+        metavar="SECONDS",
+        expected="a number of seconds > 0",
+        gt=0.0,
+        le=86400.0,
+        allow_inf_nan=False,
+    )
+    startup_grace: Number = setting(
+        1.0,
+        "--startup-grace",
+        "EXTPROC_STARTUP_GRACE",
+        "events",
+        "seconds to listen for worker events before serving ext_proc, so that a restarted "
+        "extproc knows the workers before its first decision (Envoy fails open meanwhile). "
+        "Default: 1",
+        metavar="SECONDS",
+        expected="seconds in [0, 60]",
+        ge=0.0,
+        le=60.0,
+        allow_inf_nan=False,
+    )
+    worker_allow: Items = setting(
+        list,
+        "--worker-allow",
+        "EXTPROC_WORKER_ALLOW",
+        "events",
+        "allow-list of announced worker endpoints: CIDRs and/or host:port, comma-separated "
+        "or repeated. Default: allow all",
+        metavar="CIDR|HOST:PORT",
+        action="append",
+        expected="CIDRs and/or host:port",
+    )
+    event_curve_secret_key: str | None = setting(
+        None,
+        "--event-curve-secret-key",
+        "EXTPROC_EVENT_CURVE_SECRET_KEY",
+        "events",
+        "ZeroMQ CURVE: the extproc's secret key file (NAME.key_secret from python -m "
+        "extproc.events.keys); with --event-curve-publishers only admitted publishers are "
+        "heard (docs/events.md). Default: off (plain TCP)",
+        metavar="FILE",
+        expected="a CURVE secret key file",
+    )
+    event_curve_publishers: str | None = setting(
+        None,
+        "--event-curve-publishers",
+        "EXTPROC_EVENT_CURVE_PUBLISHERS",
+        "events",
+        "ZeroMQ CURVE: directory of the admitted publishers' public key files (*.key). "
+        "Default: off",
+        metavar="DIR",
+        expected="a directory of publisher public keys",
+    )
+
+    # replicas -------------------------------------------------------------------------
+    replica_publish: Items = setting(
+        list,
+        "--replica-publish",
+        "EXTPROC_REPLICA_PUBLISH",
+        "replicas",
+        "ZMQ endpoint(s) this replica publishes its estimates to: a forwarder's XSUB port or "
+        "the other replicas' event sockets; comma-separated or repeated. Default: none "
+        "(sharing off)",
+        metavar="ENDPOINT",
+        action="append",
+        expected="ZMQ endpoints like tcp://127.0.0.1:5557",
+    )
+    replica_id: Annotated[str | None, BeforeValidator(_off)] = setting(
+        None,
+        "--replica-id",
+        "EXTPROC_REPLICA_ID",
+        "replicas",
+        "this replica's id on the event plane. Default: host-pid-random, new at each start",
+        metavar="ID",
+        expected="at most 128 characters without spaces",
+        max_length=128,
+        pattern=r"^\S+$",
+    )
+    replica_interval: Number = setting(
+        1.0,
+        "--replica-interval",
+        "EXTPROC_REPLICA_INTERVAL",
+        "replicas",
+        "seconds between full estimate snapshots (changes go out at once). Default: 1",
+        metavar="SECONDS",
+        expected="seconds in (0, 60]",
+        gt=0.0,
+        le=60.0,
+        allow_inf_nan=False,
+    )
+    replica_ttl: Number = setting(
+        3.0,
+        "--replica-ttl",
+        "EXTPROC_REPLICA_TTL",
+        "replicas",
+        "seconds of silence after which another replica's estimate is dropped. Default: 3",
+        metavar="SECONDS",
+        expected="seconds in (0, 3600]",
+        gt=0.0,
+        le=3600.0,
+        allow_inf_nan=False,
+    )
+
+    # logging --------------------------------------------------------------------------
+    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = setting(
+        "INFO",
+        "--log-level",
+        "EXTPROC_LOG_LEVEL",
+        "logging",
+        "DEBUG, INFO, WARNING or ERROR. Default: INFO",
+        metavar="LEVEL",
+        expected="DEBUG, INFO, WARNING or ERROR",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -228,172 +575,70 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # load_settings() reads flags and the environment itself, so that an error
-        # can name the flag or the variable the bad value came from.
-        return (init_settings,)
-
-    @field_validator("active_decode_blocks_threshold", mode="before")
-    @classmethod
-    def _decode(cls, v: Any) -> float | None:
-        return _opt_float(v, 0.0, 1.0, "a number in [0, 1], or None to disable")
-
-    @field_validator("active_prefill_tokens_threshold", mode="before")
-    @classmethod
-    def _prefill(cls, v: Any) -> int | None:
-        return _opt_int(
-            v, 0, MAX_TOKEN_THRESHOLD, "a whole number of tokens >= 0, or None to disable"
+        # flags (passed as init values) over the environment; no .env or secret files
+        environ = _ENVIRON.get()
+        return (
+            init_settings,
+            _Environment(settings_cls, os.environ if environ is None else environ),
         )
-
-    @field_validator(
-        "active_prefill_tokens_threshold_frac", "router_queue_threshold", mode="before"
-    )
-    @classmethod
-    def _frac(cls, v: Any) -> float | None:
-        return _opt_float(v, 0.0, None, "a number >= 0 (may exceed 1), or None to disable")
-
-    @field_validator("router_mode", mode="before")
-    @classmethod
-    def _mode(cls, v: Any) -> str:
-        text = str(v).strip()
-        if text not in ROUTER_MODES:
-            raise ValueError(f"expected one of {', '.join(ROUTER_MODES)}")
-        return text
-
-    @field_validator("grpc_server", mode="before")
-    @classmethod
-    def _server(cls, v: Any) -> str:
-        text = str(v).strip().lower()
-        if text not in GRPC_SERVERS:
-            raise ValueError(f"expected one of {', '.join(GRPC_SERVERS)}")
-        return text
-
-    @field_validator("router_track_output_blocks", mode="before")
-    @classmethod
-    def _bool(cls, v: Any) -> bool:
-        if isinstance(v, bool):
-            return v
-        text = str(v).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", "", "none"):
-            return False
-        raise ValueError("expected true or false")
-
-    @field_validator("admission_control", mode="before")
-    @classmethod
-    def _admission(cls, v: Any) -> str | None:
-        if v is None:
-            return None
-        text = str(v).strip()
-        if text not in ADMISSION_CONTROL_CHOICES:
-            raise ValueError(f"expected one of {', '.join(ADMISSION_CONTROL_CHOICES)}")
-        return text
-
-    @field_validator("grpc_port", "admin_port", mode="before")
-    @classmethod
-    def _port(cls, v: Any) -> int:
-        value = _opt_int(v, 0, 65535, "a TCP port 0-65535 (0 = any free port)")
-        if value is None:
-            raise ValueError("expected a TCP port 0-65535")
-        return value
-
-    @field_validator("router_queue_timeout", mode="before")
-    @classmethod
-    def _queue_timeout(cls, v: Any) -> float:
-        value = _opt_float(v, 0.0, 28.0, "seconds in (0, 28] (Envoy's max_message_timeout is 30 s)")
-        if not value:
-            raise ValueError("expected seconds in (0, 28] (Envoy's max_message_timeout is 30 s)")
-        return value
-
-    @field_validator("worker_ttl", mode="before")
-    @classmethod
-    def _seconds(cls, v: Any) -> float:
-        value = _opt_float(v, 0.0, 86400.0, "a number of seconds > 0")
-        if not value:
-            raise ValueError("expected a number of seconds > 0")
-        return value
-
-    @field_validator("startup_grace", mode="before")
-    @classmethod
-    def _grace(cls, v: Any) -> float:
-        value = _opt_float(v, 0.0, 60.0, "seconds in [0, 60]")
-        if value is None:
-            raise ValueError("expected seconds in [0, 60]")
-        return value
 
     @field_validator("event_curve_secret_key", mode="before")
     @classmethod
     def _curve_secret(cls, v: Any) -> str | None:
         from extproc.events.curve import CurveKeyError, load_key_pair
 
-        if v is None or str(v).strip() in _DISABLED:
+        path = _off(v)
+        if path is None:
             return None
         try:
-            load_key_pair(str(v).strip())
+            load_key_pair(str(path))
         except CurveKeyError as exc:
             raise ValueError(f"expected a CURVE secret key file: {exc}") from None
-        return str(v).strip()
+        return str(path)
 
     @field_validator("event_curve_publishers", mode="before")
     @classmethod
     def _curve_publishers(cls, v: Any) -> str | None:
         from extproc.events.curve import CurveKeyError, check_publisher_dir
 
-        if v is None or str(v).strip() in _DISABLED:
+        path = _off(v)
+        if path is None:
             return None
         try:
-            check_publisher_dir(str(v).strip())
+            check_publisher_dir(str(path))
         except CurveKeyError as exc:
             raise ValueError(f"expected a directory of publisher public keys: {exc}") from None
-        return str(v).strip()
+        return str(path)
 
     @field_validator("classes_file", mode="before")
     @classmethod
     def _classes_file(cls, v: Any) -> str | None:
-        if v is None or str(v).strip() in _DISABLED:
+        path = _off(v)
+        if path is None:
             return None
-        path = str(v).strip()
-        load_class_table(path)
-        return path
+        load_class_table(str(path))
+        return str(path)
 
-    @field_validator("replica_id", mode="before")
-    @classmethod
-    def _replica_id(cls, v: Any) -> str | None:
-        if v is None or not str(v).strip():
-            return None
-        text = str(v).strip()
-        if len(text) > 128 or any(c.isspace() for c in text):
-            raise ValueError("expected at most 128 characters without spaces")
-        return text
-
-    @field_validator("replica_interval", mode="before")
-    @classmethod
-    def _replica_interval(cls, v: Any) -> float:
-        value = _opt_float(v, 0.0, 60.0, "seconds in (0, 60]")
-        if not value:
-            raise ValueError("expected seconds in (0, 60]")
-        return value
-
-    @field_validator("replica_ttl", mode="before")
-    @classmethod
-    def _replica_ttl(cls, v: Any) -> float:
-        value = _opt_float(v, 0.0, 3600.0, "seconds in (0, 3600]")
-        if not value:
-            raise ValueError("expected seconds in (0, 3600]")
-        return value
-
-    @field_validator(
-        "event_bind", "event_connect", "worker_allow", "replica_publish", mode="before"
-    )
-    @classmethod
-    def _list(cls, v: Any) -> list[str]:
-        return _split_list(v)
+    @model_validator(mode="after")
+    def _together(self) -> Settings:
+        if (self.event_curve_secret_key is None) != (self.event_curve_publishers is None):
+            raise ValueError(
+                "--event-curve-secret-key (EXTPROC_EVENT_CURVE_SECRET_KEY) and "
+                "--event-curve-publishers (EXTPROC_EVENT_CURVE_PUBLISHERS) go together: "
+                "CURVE needs the server key and the admitted publishers"
+            )
+        if not self.event_bind and not self.event_connect:
+            raise ValueError(
+                "--event-bind (EXTPROC_EVENT_BIND) and --event-connect (EXTPROC_EVENT_CONNECT) "
+                "are both empty: the event socket needs at least one endpoint"
+            )
+        return self
 
     @field_validator("event_bind", "event_connect", "replica_publish")
     @classmethod
     def _zmq_endpoints(cls, v: list[str]) -> list[str]:
         for endpoint in v:
-            if not re.match(r"^(tcp|ipc|inproc)://.+", endpoint):
+            if not _ZMQ.match(endpoint):
                 raise ValueError(
                     f"expected ZMQ endpoints like tcp://127.0.0.1:5557, got {endpoint!r}"
                 )
@@ -411,55 +656,24 @@ class Settings(BaseSettings):
     @field_validator("tokenizer", mode="before")
     @classmethod
     def _tokenizer(cls, v: Any) -> str | None:
-        if v is None or not str(v).strip() or str(v).strip() in _DISABLED:
+        path = _off(v)
+        if path is None:
             return None
-        path = str(v).strip()
-        if not os.path.isfile(path):
+        if not os.path.isfile(str(path)):
             raise ValueError(f"expected a local tokenizer.json file; {path!r} does not exist")
-        return path
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _level(cls, v: Any) -> str:
-        text = str(v).strip().upper()
-        if text not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ValueError("expected DEBUG, INFO, WARNING or ERROR")
-        return text
+        return str(path)
 
     @property
     def kv_mode(self) -> bool:
         return self.router_mode == "kv"
 
-    @model_validator(mode="after")
-    def _together(self) -> Settings:
-        if (self.event_curve_secret_key is None) != (self.event_curve_publishers is None):
-            raise ValueError(
-                "--event-curve-secret-key (EXTPROC_EVENT_CURVE_SECRET_KEY) and "
-                "--event-curve-publishers (EXTPROC_EVENT_CURVE_PUBLISHERS) go together: "
-                "CURVE needs the server key and the admitted publishers"
-            )
-        if not self.event_bind and not self.event_connect:
-            raise ValueError(
-                "--event-bind (EXTPROC_EVENT_BIND) and --event-connect (EXTPROC_EVENT_CONNECT) "
-                "are both empty: the event socket needs at least one endpoint"
-            )
-        return self
-
     @property
-    def curve(self) -> bool:
-        return self.event_curve_secret_key is not None
+    def overload_status(self) -> int:
+        return self.overload.status
 
     def startup_warnings(self) -> list[str]:
         """The one-line warnings to log once at startup."""
         warnings = []
-        if not self.curve:
-            wide = [e for e in self.event_bind if not _loopback_endpoint(e)]
-            if wide:
-                warnings.append(
-                    f"the event socket listens beyond loopback ({', '.join(wide)}) without "
-                    "CURVE: anyone who reaches it can announce workers and report load; "
-                    "see --event-curve-secret-key and --event-curve-publishers"
-                )
         if self.admission_control is not None:
             warnings.append(
                 f"--admission-control={self.admission_control} (DYN_ADMISSION_CONTROL) is "
@@ -474,15 +688,46 @@ class Settings(BaseSettings):
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
             )
-        if self.admin_host not in ("127.0.0.1", "::1", "localhost") and not self.admin_token:
+        if not is_loopback_host(self.admin_host) and not self.admin_token:
             warnings.append(
                 f"admin API listens on {self.admin_host} without --admin-token: "
                 "POST /busy_threshold is refused (401) until a token is set"
             )
+        if self.overload.warning:
+            warnings.append(self.overload.warning)
+        if self.event_curve_secret_key is None:
+            wide = [e for e in self.event_bind if not _loopback_endpoint(e)]
+            if wide:
+                warnings.append(
+                    f"the event socket listens beyond loopback ({', '.join(wide)}) without "
+                    "CURVE: anyone who reaches it can announce workers and report load; "
+                    "see --event-curve-secret-key and --event-curve-publishers"
+                )
         return warnings
 
 
+def _table() -> dict[str, dict[str, Any]]:
+    """Field name -> its row (flag, env, group, expected, metavar, action, help)."""
+    rows = {}
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra
+        assert isinstance(extra, dict)
+        rows[name] = {**extra, "help": field.description}
+    return rows
+
+
+TABLE = _table()
+# name -> (flag, env var) of every setting that has a flag
+SETTING_NAMES: dict[str, tuple[str, str]] = {
+    name: (row["flag"], row["env"]) for name, row in TABLE.items() if row["flag"]
+}
+
+
+_ACTIONS: dict[str, Any] = {"append": "append", "toggle": argparse.BooleanOptionalAction}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line, generated from the settings table."""
     parser = argparse.ArgumentParser(
         prog="python -m extproc",
         description=(
@@ -494,200 +739,23 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
-
-    def add(group: argparse._ArgumentGroup, name: str, help_: str, **kw: Any) -> None:
-        flag, env = SETTING_NAMES[name]
-        group.add_argument(flag, dest=name, help=f"{help_} [env {env}]", **kw)
-
-    busy = parser.add_argument_group("busy thresholds (per model; defaults for new models)")
-    add(
-        busy,
-        "active_decode_blocks_threshold",
-        "KV-block utilisation fraction in [0, 1]: a rank is busy when active decode blocks "
-        "> value x kv_total_blocks (kv router mode only). Default: off",
-        metavar="FRACTION",
-    )
-    add(
-        busy,
-        "active_prefill_tokens_threshold",
-        "tokens: a rank is busy when active prefill tokens > value. Default: off",
-        metavar="TOKENS",
-    )
-    add(
-        busy,
-        "active_prefill_tokens_threshold_frac",
-        "multiple of the worker's max_num_batched_tokens (may exceed 1): busy when active "
-        "prefill tokens > floor(value x max_num_batched_tokens). Default: off",
-        metavar="MULTIPLE",
-    )
-    overload = busy
-    overload.description = (
-        f"Rejections use status {OVERLOAD_STATUS_ENV} (env only, 200-999, default 529)."
-    )
-
-    router = parser.add_argument_group("router")
-    add(
-        router,
-        "router_mode",
-        "kv = least-loaded free worker by KV utilisation then prefill tokens; "
-        "round-robin; random. Default: kv",
-        metavar="{kv,round-robin,random}",
-    )
-    add(
-        router,
-        "router_track_output_blocks",
-        "count generated tokens into the router's own active-block estimate; needs "
-        "response bodies observed (envoy/envoy-track-output.yaml). Default: off",
-        action=argparse.BooleanOptionalAction,
-    )
-    add(
-        router,
-        "router_queue_threshold",
-        "multiple of max_num_batched_tokens: hold requests in the router while every "
-        "eligible worker has router-tracked prefill tokens above it. Default: off",
-        metavar="MULTIPLE",
-    )
-    add(
-        router,
-        "router_queue_timeout",
-        "seconds a request may wait in the router queue before the overload reply. Default: 5",
-        metavar="SECONDS",
-    )
-    add(
-        router,
-        "tokenizer",
-        "path of a local tokenizer.json for exact prompt-token counts (tokenizers library; "
-        "never downloaded). Default: estimate ceil(UTF-8 bytes / 4)",
-        metavar="PATH",
-    )
-    add(
-        router,
-        "admission_control",
-        "deprecated, no effect (accepted for old launch commands): none | token-capacity",
-        metavar="{none,token-capacity}",
-    )
-
-    listen = parser.add_argument_group("listeners")
-    add(listen, "grpc_host", "ext_proc gRPC listen address. Default: 127.0.0.1", metavar="HOST")
-    add(listen, "grpc_port", "ext_proc gRPC listen port. Default: 9002", metavar="PORT")
-    add(
-        listen,
-        "grpc_server",
-        "builtin = the extproc's own HTTP/2 server on the event loop (about 4x less CPU per "
-        "request); grpcio = grpcio's asyncio server. Default: builtin",
-        metavar="{builtin,grpcio}",
-    )
-    add(
-        listen,
-        "admin_host",
-        "admin HTTP listen address; anything but loopback needs --admin-token for POST. "
-        "Default: 127.0.0.1",
-        metavar="HOST",
-    )
-    add(listen, "admin_port", "admin HTTP port. Default: 9003", metavar="PORT")
-    add(
-        listen,
-        "admin_token",
-        "bearer token required for POST /busy_threshold when the admin API is not on "
-        "loopback. Default: none",
-        metavar="TOKEN",
-    )
-
-    events = parser.add_argument_group("worker load events (ZeroMQ)")
-    add(
-        events,
-        "event_bind",
-        "ZMQ endpoint(s) the SUB socket binds, comma-separated or repeated. "
-        "Default: tcp://127.0.0.1:5557",
-        metavar="ENDPOINT",
-        action="append",
-    )
-    add(
-        events,
-        "event_connect",
-        "ZMQ endpoint(s) the SUB socket connects to (publishers that bind). Default: none",
-        metavar="ENDPOINT",
-        action="append",
-    )
-    add(
-        events,
-        "worker_ttl",
-        "seconds: a worker silent this long is removed as if it said bye. Default: 10",
-        metavar="SECONDS",
-    )
-    add(
-        events,
-        "startup_grace",
-        "seconds to listen for worker events before serving ext_proc, so that a restarted "
-        "extproc knows the workers before its first decision (Envoy fails open meanwhile). "
-        "Default: 1",
-        metavar="SECONDS",
-    )
-    add(
-        events,
-        "worker_allow",
-        "allow-list of announced worker endpoints: CIDRs and/or host:port, comma-separated "
-        "or repeated. Default: allow all",
-        metavar="CIDR|HOST:PORT",
-        action="append",
-    )
-    add(
-        events,
-        "event_curve_secret_key",
-        "ZeroMQ CURVE: the extproc's secret key file (NAME.key_secret from python -m "
-        "extproc.events.keys); with --event-curve-publishers, only admitted publishers "
-        "are heard. Default: off (plain TCP)",
-        metavar="FILE",
-    )
-    add(
-        events,
-        "event_curve_publishers",
-        "ZeroMQ CURVE: directory of the admitted publishers' public key files (*.key). "
-        "Default: off",
-        metavar="DIR",
-    )
-
-    add(
-        router,
-        "classes_file",
-        "YAML file of request classes (name, priority, share of each threshold, status, "
-        "Retry-After, large-prompt share); docs/classes.md. Default: none (one class)",
-        metavar="FILE",
-    )
-
-    replicas = parser.add_argument_group(
-        "replicas (share in-flight estimates and threshold changes; docs/replicas.md)"
-    )
-    add(
-        replicas,
-        "replica_publish",
-        "ZMQ endpoint(s) this replica publishes its estimates to: a forwarder's XSUB port or "
-        "the other replicas' event sockets; comma-separated or repeated. Default: none "
-        "(sharing off)",
-        metavar="ENDPOINT",
-        action="append",
-    )
-    add(
-        replicas,
-        "replica_id",
-        "this replica's id on the event plane. Default: host-pid-random, new at each start",
-        metavar="ID",
-    )
-    add(
-        replicas,
-        "replica_interval",
-        "seconds between full estimate snapshots (changes go out at once). Default: 1",
-        metavar="SECONDS",
-    )
-    add(
-        replicas,
-        "replica_ttl",
-        "seconds of silence after which another replica's estimate is dropped. Default: 3",
-        metavar="SECONDS",
-    )
-
-    misc = parser.add_argument_group("logging")
-    add(misc, "log_level", "DEBUG, INFO, WARNING or ERROR. Default: INFO", metavar="LEVEL")
+    groups = {}
+    for key, title in GROUPS.items():
+        env_only = [
+            f"{row['env']} (env only): {row['help']}"
+            for row in TABLE.values()
+            if row["group"] == key and not row["flag"]
+        ]
+        groups[key] = parser.add_argument_group(title, "\n".join(env_only) or None)
+    for name, row in TABLE.items():
+        if not row["flag"]:
+            continue
+        kw: dict[str, Any] = {"dest": name, "help": f"{row['help']} [env {row['env']}]"}
+        if row["metavar"]:
+            kw["metavar"] = row["metavar"]
+        if row["action"]:
+            kw["action"] = _ACTIONS[row["action"]]
+        groups[row["group"]].add_argument(row["flag"], **kw)
     return parser
 
 
@@ -695,41 +763,40 @@ def load_settings(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
     """Parse flags over the environment; raise SettingsError on any invalid value."""
-    env = dict(os.environ if environ is None else environ)
-    parser = build_parser()
-    flags = vars(parser.parse_args(argv))
-    values: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    for name, (flag, env_name) in SETTING_NAMES.items():
-        if name in flags:
-            values[name] = flags[name]
-            source[name] = flag
-        elif env_name in env:
-            values[name] = env[env_name]
-            source[name] = env_name
-    status, status_warning = overload_status_from_env(env)
-    values["overload_status"] = status
+    env = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(argv))
+    token = _ENVIRON.set(env)
     try:
-        settings = Settings.model_validate(values)
+        return Settings(**flags)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            if not err["loc"]:
-                problems.append(str(err["msg"]).removeprefix("Value error, "))
-                continue
-            name = str(err["loc"][0])
-            where = source.get(name, name)
-            raw = values.get(name)
+        raise SettingsError(_describe(exc, flags, env)) from None
+    finally:
+        _ENVIRON.reset(token)
+
+
+def _describe(exc: ValidationError, flags: Mapping[str, Any], env: Mapping[str, str]) -> str:
+    """'invalid <flag or variable> value <value>: <what was expected>', one per problem."""
+    by_key = {row["env"]: name for name, row in TABLE.items()} | {n: n for n in TABLE}
+    problems = []
+    for err in exc.errors():
+        name = by_key.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "?"
+        row = TABLE.get(name)
+        if row is None:
+            problems.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        where, raw = (
+            (row["flag"], flags[name]) if name in flags else (row["env"], env.get(row["env"]))
+        )
+        if err["type"] == "value_error":
             msg = str(err["msg"]).removeprefix("Value error, ")
-            problems.append(f"invalid {where} value {raw!r}: {msg}")
-        raise SettingsError("; ".join(problems)) from None
-    object.__setattr__(settings, "_status_warning", status_warning)
-    return settings
+        else:
+            msg = f"expected {row['expected']}"
+        problem = f"invalid {where} value {raw!r}: {msg}"
+        if problem not in problems:
+            problems.append(problem)
+    return "; ".join(problems)
 
 
 def all_startup_warnings(settings: Settings) -> list[str]:
-    warnings = settings.startup_warnings()
-    status_warning = getattr(settings, "_status_warning", None)
-    if status_warning:
-        warnings.append(status_warning)
-    return warnings
+    """The warnings to log once at startup (kept for callers; same as the method)."""
+    return settings.startup_warnings()

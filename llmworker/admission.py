@@ -25,12 +25,35 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
-from extproc.openai.errors import error_body, overload_status_from_env
+from extproc.openai.errors import (
+    DEFAULT_OVERLOAD_STATUS,
+    OVERLOAD_STATUS_ENV,
+    error_body,
+    overload_status_from_env,
+)
 
 ENGINE_LIMIT_ENV = "DYN_ENGINE_REQUEST_LIMIT"
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
@@ -49,13 +72,111 @@ class Overloaded(Exception):
     """Engine and queue are both full: reject the request now."""
 
 
-def _parse_int(raw: str, name: str, minimum: int) -> int:
-    text = raw.strip()
-    if text.isascii() and text.lstrip("+").isdigit():
-        value = int(text)
-        if value >= minimum:
-            return value
-    raise AdmissionConfigError(f"{name}={raw!r} is invalid: expected an integer >= {minimum}")
+def _count(minimum: int) -> BeforeValidator:
+    """Digits only (an optional '+'; spaces ignored), at least ``minimum``."""
+
+    def check(v: Any) -> int | None:
+        if v is None:
+            return None  # the default of an optional count
+        text = str(v).strip()
+        if text.isascii() and text.lstrip("+").isdigit() and int(text) >= minimum:
+            return int(text)
+        raise PydanticCustomError("count", "expected an integer >= {minimum}", {"minimum": minimum})
+
+    return BeforeValidator(check)
+
+
+def _overload(v: Any) -> tuple[int, str | None]:
+    if isinstance(v, tuple):
+        return v
+    return overload_status_from_env({OVERLOAD_STATUS_ENV: str(v)})
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping; blank values are unset."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {k: v for k, v in self._environ.items() if v.strip()}
+
+
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("llmworker_environ", default=None)
+
+
+class AdmissionSettings(BaseSettings):
+    """The worker's admission settings: ``--engine-request-limit`` over the environment.
+
+    Each field reads its variable through pydantic-settings; the flag, when given,
+    is passed in and wins. Q is read only when N is set.
+    """
+
+    model_config = SettingsConfigDict(
+        frozen=True, extra="ignore", populate_by_name=True, case_sensitive=True
+    )
+
+    engine_request_limit: Annotated[int | None, _count(1)] = Field(
+        None, validation_alias=ENGINE_LIMIT_ENV
+    )
+    queue_limit: Annotated[int, NoDecode, _count(MIN_QUEUE_LIMIT)] = Field(
+        DEFAULT_QUEUE_LIMIT, validation_alias=QUEUE_LIMIT_ENV
+    )
+    overload: Annotated[tuple[int, str | None], NoDecode, BeforeValidator(_overload)] = Field(
+        (DEFAULT_OVERLOAD_STATUS, None), validation_alias=OVERLOAD_STATUS_ENV
+    )
+
+    @field_validator("queue_limit", mode="wrap")
+    @classmethod
+    def _only_with_limit(
+        cls, v: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> int:
+        if info.data.get("engine_request_limit") is None:
+            return DEFAULT_QUEUE_LIMIT  # off (or N invalid): Q is not read
+        return int(handler(v))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        environ = _ENVIRON.get()
+        return (
+            init_settings,
+            _Environment(settings_cls, os.environ if environ is None else environ),
+        )
+
+    @classmethod
+    def load(
+        cls, engine_request_limit: str | int | None = None, environ: Mapping[str, str] | None = None
+    ) -> AdmissionSettings:
+        """Validate the flag value (wins) over the environment; AdmissionConfigError if bad."""
+        env = os.environ if environ is None else environ
+        flags: dict[str, Any] = {}
+        if engine_request_limit is not None:
+            flags["engine_request_limit"] = engine_request_limit
+        token = _ENVIRON.set(env)
+        try:
+            return cls(**flags)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = str(err["loc"][0]) if err["loc"] else ""
+            if loc in ("engine_request_limit", ENGINE_LIMIT_ENV):
+                name, raw = (
+                    (ENGINE_LIMIT_FLAG, str(engine_request_limit))
+                    if flags
+                    else (ENGINE_LIMIT_ENV, env.get(ENGINE_LIMIT_ENV))
+                )
+            else:
+                name, raw = QUEUE_LIMIT_ENV, env.get(QUEUE_LIMIT_ENV)
+            raise AdmissionConfigError(f"{name}={raw!r} is invalid: {err['msg']}") from None
+        finally:
+            _ENVIRON.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,23 +201,9 @@ class AdmissionConfig:
 
         Raises AdmissionConfigError for N <= 0, Q < 2 or a non-integer.
         """
-        env = os.environ if environ is None else environ
-        status, warning = overload_status_from_env(env)
-        if engine_request_limit is not None and not isinstance(engine_request_limit, str):
-            engine_request_limit = str(engine_request_limit)
-        if engine_request_limit is not None:
-            limit = _parse_int(engine_request_limit, ENGINE_LIMIT_FLAG, 1)
-        else:
-            raw = env.get(ENGINE_LIMIT_ENV)
-            if raw is None or not raw.strip():
-                return cls(overload_status=status), warning
-            limit = _parse_int(raw, ENGINE_LIMIT_ENV, 1)
-        raw_queue = env.get(QUEUE_LIMIT_ENV)
-        if raw_queue is None or not raw_queue.strip():
-            queue = DEFAULT_QUEUE_LIMIT
-        else:
-            queue = _parse_int(raw_queue, QUEUE_LIMIT_ENV, MIN_QUEUE_LIMIT)
-        return cls(engine_request_limit=limit, queue_limit=queue, overload_status=status), warning
+        s = AdmissionSettings.load(engine_request_limit, environ)
+        status, warning = s.overload
+        return cls(s.engine_request_limit, s.queue_limit, status), warning
 
 
 @dataclass(frozen=True, slots=True)

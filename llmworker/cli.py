@@ -1,6 +1,7 @@
 """Command-line plumbing of ``python -m llmworker.sim`` and ``python -m llmworker.agent``.
 
-Flag types whose errors name the value and what was expected, the help
+Flag types whose errors name the value and what was expected (bounds checked by
+pydantic, as the settings of the extproc and of worker-side admission are), the help
 formatter, the flags both programs share, logging setup, and running a
 :class:`Service` until SIGTERM or SIGINT.
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any, NoReturn, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, NoReturn, Protocol
 
 import zmq
+from pydantic import Field, TypeAdapter, ValidationError
 
 from extproc.core.endpoint import parse_endpoint
 from extproc.openai.errors import DEFAULT_OVERLOAD_STATUS, OVERLOAD_STATUS_ENV
@@ -34,58 +35,51 @@ ADMISSION_ENV_HELP = (
 # flag types
 
 
-def _integer(text: str, minimum: int) -> int:
-    expected = f"expected an integer >= {minimum}, got {text!r}"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(expected) from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(expected)
-    return value
+def _flag_type(
+    kind: type[int] | type[float], expected: str, unparsed: str | None = None, **bounds: Any
+) -> Callable[[str], Any]:
+    """An argparse type: Python's own ``kind(text)``, then pydantic ``bounds``.
+
+    The error names the value and what was expected (``unparsed`` when the text is
+    not a number at all); argparse prefixes the flag.
+    """
+    constrained: Any = Annotated[kind, Field(**bounds)]  # a type built at run time
+    adapter: TypeAdapter[Any] = TypeAdapter(constrained)
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {unparsed or expected}, got {text!r}"
+            ) from None
+        try:
+            return adapter.validate_python(value)
+        except ValidationError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    return _integer(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    return _integer(text, 0)
-
-
-def _finite(text: str, *, above_zero: bool, unit: str = "") -> float:
+def _number(bound: str, unit: str = "", **bounds: Any) -> Callable[[str], Any]:
     what = f"number of {unit}" if unit else "number"
-    bound = "> 0" if above_zero else ">= 0"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a {what} {bound}, got {text!r}") from None
-    in_range = value > 0 if above_zero else value >= 0  # False for NaN
-    if not in_range or value == math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite {what} {bound}, got {text!r}")
-    return value
+    return _flag_type(
+        float, f"a finite {what} {bound}", f"a {what} {bound}", allow_inf_nan=False, **bounds
+    )
 
 
-def positive_number(text: str) -> float:
-    """A finite number > 0."""
-    return _finite(text, above_zero=True)
-
-
-def non_negative_number(text: str) -> float:
-    """A finite number >= 0."""
-    return _finite(text, above_zero=False)
-
-
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
-    return _finite(text, above_zero=True, unit="seconds")
-
-
-def non_negative_seconds(text: str) -> float:
-    """A finite number of seconds >= 0."""
-    return _finite(text, above_zero=False, unit="seconds")
+positive_int = _flag_type(int, "an integer >= 1", ge=1)
+"""An integer >= 1."""
+non_negative_int = _flag_type(int, "an integer >= 0", ge=0)
+"""An integer >= 0."""
+positive_number = _number("> 0", gt=0)
+"""A finite number > 0."""
+non_negative_number = _number(">= 0", ge=0)
+"""A finite number >= 0."""
+positive_seconds = _number("> 0", "seconds", gt=0)
+"""A finite number of seconds > 0."""
+non_negative_seconds = _number(">= 0", "seconds", ge=0)
+"""A finite number of seconds >= 0."""
 
 
 def _zmq_scheme(text: str, schemes: tuple[str, ...]) -> str:

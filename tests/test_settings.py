@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -235,3 +236,132 @@ def test_event_bind_failure_exits_nonzero_naming_endpoint(tmp_path: object) -> N
 def test_tokenizer_path_must_exist() -> None:
     with pytest.raises(SettingsError, match="does not exist"):
         load_settings(["--tokenizer", "/nonexistent/tokenizer.json"], {})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2", "127.1.2.3", "[::1]", "::ffff:127.0.0.1"])
+def test_loopback_admin_host_is_one_rule_for_warning_and_auth(host: str) -> None:
+    from extproc.admin.auth import AdminAuth
+
+    s = load_settings(["--admin-host", host], {})
+    assert not AdminAuth.from_settings(s.admin_host, s.admin_token).required
+    assert all_startup_warnings(s) == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "admin.internal"])
+def test_non_loopback_admin_host_without_token_warns_and_auth_refuses(host: str) -> None:
+    from extproc.admin.auth import AdminAuth
+
+    s = load_settings([], {"EXTPROC_ADMIN_HOST": host})
+    assert AdminAuth.from_settings(s.admin_host, s.admin_token).required
+    warnings = all_startup_warnings(s)
+    assert len(warnings) == 1 and f"listens on {host}" in warnings[0]
+
+
+def test_overload_status_is_a_field_of_the_immutable_settings() -> None:
+    import pydantic
+
+    s = load_settings([], {"DYN_HTTP_OVERLOAD_STATUS_CODE": " 503 "})
+    assert s.overload_status == 503 and all_startup_warnings(s) == []
+    bad = load_settings([], {"DYN_HTTP_OVERLOAD_STATUS_CODE": "abc"})
+    assert bad.overload_status == 529
+    assert all_startup_warnings(bad) == [
+        "DYN_HTTP_OVERLOAD_STATUS_CODE='abc' is not an integer in 200-999; using 529"
+    ]
+    assert load_settings([], {"DYN_HTTP_OVERLOAD_STATUS_CODE": ""}).overload_status == 529
+    with pytest.raises(pydantic.ValidationError):
+        s.router_mode = "random"
+
+
+def test_env_lists_are_comma_separated_not_json() -> None:
+    s = load_settings(
+        [],
+        {
+            "EXTPROC_EVENT_BIND": "tcp://127.0.0.1:1, tcp://127.0.0.1:2",
+            "EXTPROC_EVENT_CONNECT": "ipc:///tmp/x",
+            "EXTPROC_WORKER_ALLOW": "10.0.0.0/8,127.0.0.1:8000",
+        },
+    )
+    assert s.event_bind == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    assert s.event_connect == ["ipc:///tmp/x"]
+    assert s.worker_allow == ["10.0.0.0/8", "127.0.0.1:8000"]
+    with pytest.raises(SettingsError, match=r"EXTPROC_EVENT_CONNECT value '127\.0\.0\.1:1'"):
+        load_settings([], {"EXTPROC_EVENT_CONNECT": "127.0.0.1:1"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--grpc-port", "1_000"], {}, "invalid --grpc-port value '1_000': expected a TCP port"),
+        ([], {"EXTPROC_ADMIN_PORT": "80.0"}, "invalid EXTPROC_ADMIN_PORT value '80.0'"),
+        (["--active-prefill-tokens-threshold", "1e3"], {}, "value '1e3': expected a whole"),
+        ([], {"EXTPROC_LOG_LEVEL": "loud"}, "EXTPROC_LOG_LEVEL value 'loud': expected DEBUG"),
+        (["--router-queue-timeout", "0"], {}, "--router-queue-timeout value '0': expected seconds"),
+        ([], {"EXTPROC_WORKER_TTL": "nan"}, "EXTPROC_WORKER_TTL value 'nan'"),
+    ],
+)
+def test_errors_name_source_value_and_expectation(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError) as exc:
+        load_settings(argv, env)
+    assert message in str(exc.value)
+
+
+def test_unrelated_and_lowercase_env_names_are_ignored() -> None:
+    s = load_settings([], {"dyn_router_mode": "random", "EXTPROC_UNKNOWN": "1"})
+    assert s.router_mode == "kv"
+
+
+def test_every_setting_has_one_row_with_env_help_and_group() -> None:
+    from extproc.settings import GROUPS, TABLE, Settings
+
+    assert set(TABLE) == set(Settings.model_fields)
+    for name, row in TABLE.items():
+        assert row["env"].startswith(("DYN_", "EXTPROC_")), name
+        assert row["help"] and row["expected"] and row["group"] in GROUPS, name
+        if row["flag"]:
+            assert SETTING_NAMES[name] == (row["flag"], row["env"])
+    assert [n for n in TABLE if n not in SETTING_NAMES] == ["overload"]
+
+
+def test_curve_replica_and_classes_settings(tmp_path: Path) -> None:
+    from extproc.events.keys import main as keys_main
+
+    assert keys_main([str(tmp_path / "k"), "extproc"]) == 0
+    (tmp_path / "pubs").mkdir()
+    (tmp_path / "pubs" / "w.key").write_bytes((tmp_path / "k" / "extproc.key").read_bytes())
+    secret = str(tmp_path / "k" / "extproc.key_secret")
+    s = load_settings(
+        [
+            "--event-curve-secret-key",
+            secret,
+            "--event-curve-publishers",
+            str(tmp_path / "pubs"),
+            "--event-bind",
+            "tcp://0.0.0.0:5557",
+            "--replica-publish",
+            "tcp://fwd:5557",
+        ],
+        {"EXTPROC_REPLICA_TTL": "2.5"},
+    )
+    assert s.replica_publish == ["tcp://fwd:5557"] and s.replica_ttl == 2.5
+    assert not any("without CURVE" in w for w in s.startup_warnings())
+    plain = load_settings(["--event-bind", "tcp://0.0.0.0:5557"], {})
+    assert any("beyond loopback" in w and "without CURVE" in w for w in plain.startup_warnings())
+    assert not any("CURVE" in w for w in load_settings([], {}).startup_warnings())
+    with pytest.raises(SettingsError, match="go together"):
+        load_settings(["--event-curve-secret-key", secret], {})
+    with pytest.raises(SettingsError, match=r"invalid --event-curve-secret-key value .*no secret"):
+        load_settings(
+            ["--event-curve-secret-key", str(tmp_path / "k" / "extproc.key")],
+            {"EXTPROC_EVENT_CURVE_PUBLISHERS": str(tmp_path / "pubs")},
+        )
+    with pytest.raises(SettingsError, match="invalid EXTPROC_REPLICA_INTERVAL value '0'"):
+        load_settings([], {"EXTPROC_REPLICA_INTERVAL": "0"})
+    bad = tmp_path / "classes.yaml"
+    bad.write_text("default: a\nclasses:\n  a: {share: 0}\n")
+    with pytest.raises(SettingsError, match=r"classes\.a\.share: 0 is out of range"):
+        load_settings(["--classes-file", str(bad)], {})
+    bad.write_text("default: a\nclasses: [\n")
+    with pytest.raises(SettingsError, match="not valid YAML at line 3"):
+        load_settings([], {"EXTPROC_CLASSES_FILE": str(bad)})

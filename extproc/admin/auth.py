@@ -11,28 +11,17 @@ On loopback with no token, writes are open. The check runs before routing answer
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from extproc.core.loopback import is_loopback_host
+
+__all__ = ["AdminAuth", "AuthFailure", "auth_middleware", "is_loopback_host"]
+
 OPEN_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
-
-
-def is_loopback_host(host: str) -> bool:
-    """``localhost``, 127.0.0.0/8 or ::1 (also bracketed or IPv4-mapped); else False."""
-    text = host.strip().strip("[]").rstrip(".").lower()
-    if text == "localhost":
-        return True
-    try:
-        addr = ipaddress.ip_address(text)
-    except ValueError:
-        return False  # another host name: may resolve to anything
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
 
 
 class AuthFailure(Exception):

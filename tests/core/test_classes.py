@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 
 from extproc.core.busy import (
     DECODE,
-    PREFILL,
-    PREFILL_FRAC,
     BusyThresholds,
     Share,
     rank_busy_reason,
@@ -151,7 +149,10 @@ def test_without_a_table_the_pool_keeps_no_class_flags() -> None:
         ({"classes": {}}, "classes: expected a mapping"),
         ({"extra": 1}, "extra: unknown key"),
         ({"classes": {"a": {"share": 0}}, "default": "a"}, "classes.a.share: 0 is out of range"),
-        ({"classes": {"a": {"share": "x"}}, "default": "a"}, "classes.a.share: 'x' is not a number"),
+        (
+            {"classes": {"a": {"share": "x"}}, "default": "a"},
+            "classes.a.share: 'x' is not a number",
+        ),
         (
             {"classes": {"a": {"share": {"bogus": 1}}}, "default": "a"},
             "classes.a.share: unknown threshold 'bogus'",

@@ -139,3 +139,55 @@ async def test_metrics_series() -> None:
     assert "dynamo_rejection_request_total 0.0" in text
     assert "dynamo_engine_request 1.0" in text
     assert "dynamo_request_queue 0.0" in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        (None, {"DYN_ENGINE_REQUEST_LIMIT": "  "}, (None, 16, 529)),  # blank = unset
+        (" +3 ", {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": " "}, (3, 16, 529)),
+        (5, {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": " 2 "}, (5, 2, 529)),
+        ("1", {"DYN_HTTP_OVERLOAD_STATUS_CODE": " 503 "}, (1, 16, 503)),
+        (
+            None,
+            {"DYN_HTTP_OVERLOAD_STATUS_CODE": "429", "dyn_engine_request_limit": "4"},
+            (None, 16, 429),
+        ),
+    ],
+)
+def test_settings_values_from_flag_and_env(
+    flag: str | int | None, env: dict[str, str], expected: tuple[int | None, int, int]
+) -> None:
+    config, warning = AdmissionConfig.from_env(flag, env)
+    assert (config.engine_request_limit, config.queue_limit, config.overload_status) == expected
+    assert warning is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "message"),
+    [
+        ("", {}, "--engine-request-limit='' is invalid: expected an integer >= 1"),
+        ("1e3", {}, "--engine-request-limit='1e3' is invalid: expected an integer >= 1"),
+        (None, {"DYN_ENGINE_REQUEST_LIMIT": "4.0"}, "DYN_ENGINE_REQUEST_LIMIT='4.0' is invalid"),
+        ("4", {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "-2"}, "expected an integer >= 2"),
+        # N is named first; Q is read only once N is valid
+        ("x", {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "1"}, "--engine-request-limit='x'"),
+    ],
+)
+def test_setting_errors_name_source_value_and_expectation(
+    flag: str | None, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(AdmissionConfigError) as info:
+        AdmissionConfig.from_env(flag, env)
+    assert message in str(info.value)
+    assert "DYN_DYNAMO_REQUEST_QUEUE_LIMIT" not in str(info.value) or flag == "4"
+
+
+def test_admission_settings_are_immutable() -> None:
+    import pydantic
+
+    from llmworker.admission import AdmissionSettings
+
+    s = AdmissionSettings.load("2", {})
+    with pytest.raises(pydantic.ValidationError):
+        s.queue_limit = 3
