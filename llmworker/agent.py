@@ -97,6 +97,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
+from extproc.events.curve import CurveClient
 from extproc.events.publisher import EventPublisher, PublisherError
 from extproc.events.schema import ConfigEvent, EventRejected, decode, encode
 from llmworker import cli
@@ -146,6 +147,7 @@ class AgentSettings:
     worker_type: str = "decode"
     heartbeat: float = 2.0
     debounce: float = 0.005
+    curve: CurveClient | None = None
     shutdown_timeout: float = 5.0
     log_level: str = "INFO"
 
@@ -431,7 +433,7 @@ class Agent:
                 worker_id=s.worker_id, model=s.model, endpoint=self.endpoint, **fields
             )
             publisher = EventPublisher(
-                s.publish, config, heartbeat=s.heartbeat, debounce=s.debounce
+                s.publish, config, heartbeat=s.heartbeat, debounce=s.debounce, curve=s.curve
             )
             self._send_loads(publisher, view)
             await publisher.start()
@@ -698,6 +700,7 @@ def parse_args(
         dp_size=args.dp_size,
         worker_type=args.worker_type,
         heartbeat=args.heartbeat,
+        curve=cli.curve_client(parser, args),
         debounce=args.debounce_ms / 1e3,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,

@@ -20,6 +20,7 @@ import zmq
 from pydantic import Field, TypeAdapter, ValidationError
 
 from extproc.core.endpoint import parse_endpoint
+from extproc.events.curve import CurveClient, CurveKeyError
 from extproc.openai.errors import DEFAULT_OVERLOAD_STATUS, OVERLOAD_STATUS_ENV
 from llmworker.admission import DEFAULT_QUEUE_LIMIT, MIN_QUEUE_LIMIT, QUEUE_LIMIT_ENV
 
@@ -138,7 +139,19 @@ def add_log_level_flag(group: argparse._ActionsContainer) -> None:
 
 
 def add_event_timing_flags(group: argparse._ActionsContainer) -> None:
-    """``--heartbeat`` (seconds) and ``--debounce-ms`` of the event publisher."""
+    """``--heartbeat`` (seconds), ``--debounce-ms`` and the CURVE key files of the event
+    publisher."""
+    group.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="ZeroMQ CURVE: this publisher's secret key file (NAME.key_secret from python -m "
+        "extproc.events.keys), when the extproc requires CURVE; with --curve-server-key",
+    )
+    group.add_argument(
+        "--curve-server-key",
+        metavar="FILE",
+        help="ZeroMQ CURVE: the extproc's public key file (its NAME.key)",
+    )
     group.add_argument(
         "--heartbeat",
         type=positive_seconds,
@@ -153,6 +166,20 @@ def add_event_timing_flags(group: argparse._ActionsContainer) -> None:
         metavar="MS",
         help="load changes are coalesced and sent at most this often, in milliseconds",
     )
+
+
+def curve_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CurveClient | None:
+    """The publisher's CURVE keys from ``--curve-secret-key``/``--curve-server-key``; a
+    usage error (exit 2) naming the flag and the file when they are unusable."""
+    secret, server = args.curve_secret_key, args.curve_server_key
+    if secret is None and server is None:
+        return None
+    if secret is None or server is None:
+        parser.error("--curve-secret-key and --curve-server-key go together")
+    try:
+        return CurveClient.from_files(secret, server)
+    except CurveKeyError as exc:
+        parser.error(f"--curve-secret-key/--curve-server-key: {exc}")
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.events.curve import CurveClient
 from extproc.events.publisher import EventPublisher, PublisherError
 from extproc.events.schema import ConfigEvent
 from extproc.openai.request import estimate_tokens
@@ -79,6 +80,7 @@ class SimSettings:
     advertise: str | None = None
     heartbeat: float = 2.0
     debounce: float = 0.005
+    curve: CurveClient | None = None
     default_max_tokens: int = 16
     embedding_dim: int = 8
     shutdown_timeout: float = 5.0
@@ -195,7 +197,11 @@ class SimWorker:
         )
         if s.publish:
             publisher = EventPublisher(
-                s.publish, self.config_event(), heartbeat=s.heartbeat, debounce=s.debounce
+                s.publish,
+                self.config_event(),
+                heartbeat=s.heartbeat,
+                debounce=s.debounce,
+                curve=s.curve,
             )
             for rank in self.engine.ranks:
                 self._publish_load(publisher, rank.rank, rank.load())
@@ -755,6 +761,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SimSettings, str | No
         publish=tuple(args.publish),
         advertise=args.advertise,
         heartbeat=args.heartbeat,
+        curve=cli.curve_client(parser, args),
         debounce=args.debounce_ms / 1e3,
         default_max_tokens=args.default_max_tokens,
         embedding_dim=args.embedding_dim,
