@@ -160,7 +160,9 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         # Replicas share the server key pair; each publishes to the others as a client.
         public, secret = load_key_pair(settings.event_curve_secret_key)
         curve_client = CurveClient(public, secret, public)
-    subscriber = EventSubscriber(pool, metrics, curve=curve_server, peers=peers)
+    subscriber = EventSubscriber(
+        pool, metrics, curve=curve_server, peers=peers, classes=classes if sharing else None
+    )
     try:
         await subscriber.start(settings.event_bind, settings.event_connect)
     except EventBindError as exc:
@@ -174,6 +176,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
             interval=settings.replica_interval,
             curve=curve_client,
             on_sent=lambda topic: metrics.replica_topic[topic].inc(),
+            classes=classes,
         )
         await replicas.start()
         parts.push_async_callback(replicas.close)

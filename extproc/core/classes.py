@@ -267,15 +267,29 @@ class ClassRegistry:
         self.pool = pool
         self.table = table
         self.listeners: list[Callable[[ClassTable], None]] = []
+        # Told of a change made here (to share it with other replicas), with the class.
+        self.on_local_change: Callable[[str], None] | None = None
+        # class -> (version, writer replica): the newest change wins on every replica.
+        self.stamps: dict[str, tuple[int, str]] = {}
         pool.set_shares(table.shares())
 
-    def update_class(self, name: str, changes: dict[str, Any]) -> RequestClass:
+    def update_class(
+        self, name: str, changes: dict[str, Any], stamp: tuple[int, str] | None = None
+    ) -> RequestClass:
         """Apply ``changes`` (keys of a class's settings) to class ``name``; KeyError if no
-        such class, ClassConfigError (nothing changed) if the result is not valid."""
+        such class, ClassConfigError (nothing changed) if the result is not valid.
+
+        A change made here (no ``stamp``) is stamped like a threshold change and announced
+        through ``on_local_change``; one from another replica applies only if its stamp is
+        newer (the class is then returned unchanged when it is not)."""
         current = self.table.by_name(name)
+        held = self.stamps.get(name, (0, ""))
+        if stamp is not None and stamp <= held:
+            return current
         raw = {k: v for k, v in current.as_dict().items() if k != "name"}
         raw.update(changes)
         updated = parse_class(name, raw, f"classes.{name}")
+        self.stamps[name] = stamp if stamp is not None else (held[0] + 1, self.pool.replica_id)
         table = ClassTable(
             tuple(updated if c.name == name else c for c in self.table.classes),
             self.table.default,
@@ -286,4 +300,6 @@ class ClassRegistry:
         self.pool.set_shares(table.shares())
         for listener in self.listeners:
             listener(table)
+        if stamp is None and self.on_local_change is not None:
+            self.on_local_change(name)
         return updated

@@ -20,9 +20,16 @@ from typing import Any
 import aiozmq
 import zmq
 
+from extproc.core.classes import ClassRegistry
 from extproc.core.pool import WorkerPool
 from extproc.events.curve import CurveClient
-from extproc.events.schema import EstimateEvent, ReplicaByeEvent, ThresholdsEvent, encode
+from extproc.events.schema import (
+    ClassEvent,
+    EstimateEvent,
+    ReplicaByeEvent,
+    ThresholdsEvent,
+    encode,
+)
 
 log = logging.getLogger("extproc.events.replica")
 
@@ -39,6 +46,7 @@ class ReplicaPublisher:
         min_gap: float = 0.0005,
         curve: CurveClient | None = None,
         on_sent: Callable[[str], None] | None = None,
+        classes: ClassRegistry | None = None,
     ) -> None:
         if not pool.replica_id:
             raise ValueError("replica sharing needs the pool's replica_id")
@@ -48,6 +56,7 @@ class ReplicaPublisher:
         self.min_gap = min_gap
         self.curve = curve
         self.on_sent = on_sent
+        self.classes = classes
         self.sent = 0
         self._transport: Any = None
         self._pending: asyncio.TimerHandle | None = None
@@ -69,6 +78,8 @@ class ReplicaPublisher:
             await tr.connect(endpoint)
         self.pool.on_estimates = self._estimates_changed
         self.pool.on_thresholds = self._send_thresholds
+        if self.classes is not None:
+            self.classes.on_local_change = self._send_class
         self._heartbeat = loop.create_task(self._beat(), name="replica-heartbeat")
 
     def _estimates_changed(self) -> None:
@@ -99,14 +110,33 @@ class ReplicaPublisher:
             )
         )
 
+    def _send_class(self, name: str) -> None:
+        assert self.classes is not None
+        version, writer = self.classes.stamps[name]
+        settings = {
+            k: v for k, v in self.classes.table.by_name(name).as_dict().items() if k != "name"
+        }
+        self._send(
+            ClassEvent(
+                replica_id=self.pool.replica_id,
+                name=name,
+                version=version,
+                writer=writer,
+                settings=settings,
+            )
+        )
+
     async def _beat(self) -> None:
         while True:
             self._send_estimate()
             for model in list(self.pool.threshold_stamps):
                 self._send_thresholds(model)
+            if self.classes is not None:
+                for name in list(self.classes.stamps):
+                    self._send_class(name)
             await asyncio.sleep(self.interval)
 
-    def _send(self, event: EstimateEvent | ThresholdsEvent | ReplicaByeEvent) -> None:
+    def _send(self, event: EstimateEvent | ThresholdsEvent | ClassEvent | ReplicaByeEvent) -> None:
         if self._transport is None:
             return
         try:

@@ -14,7 +14,7 @@ Publishers encode with :func:`encode`; the subscriber decodes with
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,6 +34,7 @@ TOPIC_BYE = b"bye"
 TOPIC_ESTIMATE = b"estimate"
 TOPIC_THRESHOLDS = b"thresholds"
 TOPIC_REPLICA_BYE = b"replica_bye"
+TOPIC_CLASSES = b"classes"
 
 
 class ConfigEvent(msgspec.Struct, kw_only=True, frozen=True):
@@ -96,6 +97,18 @@ class ThresholdsEvent(msgspec.Struct, kw_only=True, frozen=True):
     v: int = WIRE_VERSION
 
 
+class ClassEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """A request class as changed on ``writer`` at ``version``: its whole settings, in the
+    shape of ``GET /classes``; validated like the classes file before it applies."""
+
+    replica_id: ReplicaId
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    writer: Annotated[str, msgspec.Meta(max_length=128)]
+    settings: dict[str, Any]
+    v: int = WIRE_VERSION
+
+
 class ReplicaByeEvent(msgspec.Struct, kw_only=True, frozen=True):
     """The extproc replica stops now: drop its estimate."""
 
@@ -103,7 +116,15 @@ class ReplicaByeEvent(msgspec.Struct, kw_only=True, frozen=True):
     v: int = WIRE_VERSION
 
 
-Event = ConfigEvent | LoadEvent | ByeEvent | EstimateEvent | ThresholdsEvent | ReplicaByeEvent
+Event = (
+    ConfigEvent
+    | LoadEvent
+    | ByeEvent
+    | EstimateEvent
+    | ThresholdsEvent
+    | ClassEvent
+    | ReplicaByeEvent
+)
 
 
 class EventRejected(Exception):
@@ -140,6 +161,7 @@ _TYPES: dict[bytes, type[Event]] = {
     TOPIC_ESTIMATE: EstimateEvent,
     TOPIC_THRESHOLDS: ThresholdsEvent,
     TOPIC_REPLICA_BYE: ReplicaByeEvent,
+    TOPIC_CLASSES: ClassEvent,
 }
 _TOPICS = {cls: topic for topic, cls in _TYPES.items()}
 _MSGPACK = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}

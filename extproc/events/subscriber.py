@@ -16,6 +16,7 @@ import aiozmq
 import zmq
 
 from extproc.core.busy import BusyThresholds
+from extproc.core.classes import ClassConfigError, ClassRegistry
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
 from extproc.events.curve import CurveServer
@@ -24,6 +25,7 @@ from extproc.events.schema import (
     DROP_NOT_ALLOWED,
     DROP_SCHEMA,
     ByeEvent,
+    ClassEvent,
     ConfigEvent,
     EstimateEvent,
     Event,
@@ -50,7 +52,12 @@ class EventBindError(RuntimeError):
 DRAIN_BATCH = 16
 
 
-def apply_event(pool: WorkerPool, event: Event, peers: PeerEstimates | None = None) -> None:
+def apply_event(
+    pool: WorkerPool,
+    event: Event,
+    peers: PeerEstimates | None = None,
+    classes: ClassRegistry | None = None,
+) -> None:
     """Hand one validated event to the pool; a refusal becomes :class:`EventRejected`.
 
     Messages of other extproc replicas apply only when sharing is on (``peers``)."""
@@ -95,6 +102,9 @@ def apply_event(pool: WorkerPool, event: Event, peers: PeerEstimates | None = No
                 event.active_prefill_tokens_threshold_frac,
             )
             pool.set_thresholds(event.model, thresholds, (event.version, event.writer))
+        elif type(event) is ClassEvent:
+            if classes is not None:
+                classes.update_class(event.name, event.settings, (event.version, event.writer))
         else:
             assert type(event) is ReplicaByeEvent
             peers.leave(event.replica_id)
@@ -102,6 +112,10 @@ def apply_event(pool: WorkerPool, event: Event, peers: PeerEstimates | None = No
         raise EventRejected(DROP_NOT_ALLOWED, str(exc)) from None
     except RankOutOfRange as exc:
         raise EventRejected(DROP_SCHEMA, str(exc)) from None
+    except ClassConfigError as exc:
+        raise EventRejected(DROP_SCHEMA, str(exc)) from None
+    except KeyError:  # a class this replica does not have: its classes file differs
+        raise EventRejected(DROP_SCHEMA, "class not configured here") from None
 
 
 class _SubProtocol(aiozmq.ZmqProtocol):
@@ -146,9 +160,11 @@ class EventSubscriber:
         rcvhwm: int = 200_000,
         curve: CurveServer | None = None,
         peers: PeerEstimates | None = None,
+        classes: ClassRegistry | None = None,
     ) -> None:
         self.pool = pool
         self.peers = peers
+        self.classes = classes
         self.metrics = metrics
         self.rcvhwm = rcvhwm
         self.curve = curve
@@ -185,7 +201,7 @@ class EventSubscriber:
             if len(frames) != 2:
                 raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
             topic = frames[0]
-            apply_event(self.pool, decode(topic, frames[1]), self.peers)
+            apply_event(self.pool, decode(topic, frames[1]), self.peers, self.classes)
         except EventRejected as exc:
             self.metrics.dropped[exc.reason].inc()
             if log.isEnabledFor(logging.DEBUG):

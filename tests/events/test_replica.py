@@ -99,7 +99,7 @@ async def test_estimates_and_thresholds_reach_the_other_replica(
         took = await until(
             lambda: a.pool.thresholds_for("m") == BusyThresholds(0.5), what="threshold on A"
         )
-        assert took < 0.1
+        assert took < 1.0  # measured at about 2 ms by loadtest.replicas; loose for busy CI
         # A replica that joins later learns the current values from the heartbeat.
         c = await replica("r-c", xsub, xpub)
         try:
@@ -140,7 +140,7 @@ async def test_a_replica_that_says_bye_or_goes_silent_is_dropped(
         took = await until(
             lambda: (b.peers.expire(), rank_b.peer_inflight == 0)[1], 3.0, "TTL drops silent A"
         )
-        assert 0.3 < took < 2.0
+        assert 0.3 < took < 3.0  # the TTL is 0.6 s
         transport.close()
     finally:
         await worker.close()
@@ -218,3 +218,42 @@ def count_refused(metrics: Metrics, reason: str) -> None:
 def b_peers(sub: EventSubscriber) -> dict[str, int]:
     assert sub.peers is not None
     return sub.peers.inflight()
+
+
+async def test_a_class_change_on_one_replica_applies_on_the_other(
+    forwarder: tuple[str, str],
+) -> None:
+    from extproc.core.classes import ClassRegistry, parse_table
+
+    xsub, xpub = forwarder
+    table = {"default": "std", "classes": {"std": {"share": 1.0}, "shed": {"share": 0.7}}}
+    pools, subs, pubs, registries = [], [], [], []
+    for name in ("r-a", "r-b"):
+        pool = WorkerPool(BusyThresholds(0.5))
+        pool.replica_id = name
+        registry = ClassRegistry(parse_table(table), pool)
+        sub = EventSubscriber(pool, Metrics(), peers=PeerEstimates(pool, ttl=5), classes=registry)
+        await sub.start([], [xpub])
+        pub = ReplicaPublisher(pool, [xsub], interval=0.2, classes=registry)
+        await pub.start()
+        pools.append(pool)
+        subs.append(sub)
+        pubs.append(pub)
+        registries.append(registry)
+    try:
+        registries[0].update_class("shed", {"share": 0.4, "status": 429})
+        await until(
+            lambda: registries[1].table.by_name("shed").share.active_decode_blocks == 0.4,
+            what="the class change on B",
+        )
+        assert registries[1].table.by_name("shed").status == 429
+        assert pools[1].shares[1].active_decode_blocks == 0.4  # B's flags use it
+        assert registries[1].stamps["shed"] == (1, "r-a")
+        # An older change (a late message) does not undo it.
+        registries[1].update_class("shed", {"share": 0.9}, (1, "r-0"))
+        assert registries[1].table.by_name("shed").share.active_decode_blocks == 0.4
+    finally:
+        for pub in pubs:
+            await pub.close()
+        for sub in subs:
+            sub.close()
