@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast lint format bench bench-events clean
+.PHONY: help install demo test test-fast lint format bench bench-events bench-storm clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -40,6 +40,10 @@ bench: $(STAMP) ## Side-by-side latency/throughput benchmark (needs wrk: apt-get
 bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/without 50k events/s (wrk)
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) loadtest/events_bench.py $(ARGS)
+
+bench-storm: $(STAMP) ## Storm: 4,000 then 8,000 keep-alive clients, every worker busy (ARGS='--clients N')
+	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
+	$(PY) -m loadtest.storm $(or $(ARGS),--clients 4000 8000 --duration 8)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
