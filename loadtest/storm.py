@@ -54,6 +54,7 @@ STATS = {
     "reached_worker": "cluster.workers.upstream_rq_total",
     "extproc_connections": "cluster.extproc.upstream_cx_total",
     "extproc_flood": "cluster.extproc.http2.outbound_flood",
+    "extproc_control_flood": "cluster.extproc.http2.outbound_control_flood",
 }
 FD_PER_CLIENT = 2
 FD_SPARE = 1000
@@ -218,7 +219,8 @@ def storm(
             message_timeouts=delta["message_timeouts"],
             reached_worker=delta["reached_worker"],
             extproc_connections=after["extproc_connections"],
-            outbound_flood=delta["extproc_flood"],
+            # Connections to the extproc Envoy reset for queueing too many frames.
+            outbound_flood=delta["extproc_flood"] + delta["extproc_control_flood"],
             protocol_errors_in_log=log.count("protocol_error"),
             extproc_cpu_us_per_request=round((cpu1 - cpu0) / max(r["total"], 1) * 1e6, 1),
         )
