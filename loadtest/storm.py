@@ -161,7 +161,8 @@ def storm(
     if need > hard:
         raise SystemExit(
             f"--clients {clients} needs about {need} open files per process, "
-            f"the hard limit (ulimit -Hn) is {hard}: use at most {(hard - FD_SPARE) // 2}"
+            f"the hard limit (ulimit -Hn) is {hard}: use at most "
+            f"{(hard - FD_SPARE) // FD_PER_CLIENT}"
         )
     procs: list[Any] = []
     try:
@@ -266,10 +267,18 @@ def main() -> int:
             parser.error(f"--clients: {n} is not a positive number of connections")
     if args.duration <= 0:
         parser.error(f"--duration: {args.duration} is not a positive number of seconds")
+    hard = raise_nofile()
+    for n in args.clients:
+        if n * FD_PER_CLIENT + FD_SPARE > hard:
+            parser.error(
+                f"--clients {n} needs about {n * FD_PER_CLIENT + FD_SPARE} open files per "
+                f"process, the hard limit (ulimit -Hn) is {hard}: use at most "
+                f"{(hard - FD_SPARE) // FD_PER_CLIENT}"
+            )
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install wrk", file=sys.stderr)
         return 2
-    print(f"open files: soft limit raised to the hard limit {raise_nofile()}")
+    print(f"open files: soft limit raised to the hard limit {hard}")
     print(
         f"\nwrk -t{args.threads} -cN -d{args.duration:g}s, short chat POSTs, every worker busy; "
         f"envoy/{args.config}, --grpc-server {args.grpc_server}\n"
