@@ -222,7 +222,8 @@ class H2Connection(asyncio.Protocol):
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
         self.header_cache: dict[bytes, tuple[dict[str, str], str | None]] = {}
         self.streams: dict[int, _Stream] = {}
-        self.recent: dict[int, int] = {}  # closed stream id -> how (CLOSED_BY_US, ...)
+        # Closed stream id -> how it closed (CLOSED_BY_US, ...), oldest first.
+        self.recent: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.last_stream = 0
         self.send_window = DEFAULT_WINDOW
         self.peer_stream_window = DEFAULT_WINDOW
@@ -628,7 +629,7 @@ class H2Connection(asyncio.Protocol):
     def _remember(self, sid: int, how: int) -> None:
         recent = self.recent
         if len(recent) >= RECENT_CLOSED:
-            del recent[next(iter(recent))]
+            recent.popitem(last=False)
         recent[sid] = how
 
     def _stream_error(self, sid: int, code: int) -> None:
