@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas clean
+.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas bench-storm clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +46,10 @@ bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/
 
 bench-replicas: $(STAMP) ## One replica vs two (with and without sharing) on the same burst
 	$(PY) -m loadtest.replicas $(ARGS)
+
+bench-storm: $(STAMP) ## Storm: 4,000 then 8,000 keep-alive clients, every worker busy (ARGS='--clients N')
+	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
+	$(PY) -m loadtest.storm $(or $(ARGS),--clients 4000 8000 --duration 8)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest

@@ -41,6 +41,8 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE = 0, 1, 2, 3, 4, 5
 PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 6, 7, 8, 9
 # Flags.
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+# Not on the wire: marks a HEADERS frame whose priority names its own stream.
+SELF_DEPENDENT = 0x100
 # Error codes (RFC 9113 §7).
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
@@ -58,9 +60,23 @@ OUR_MAX_FRAME = 1 << 20
 OUR_STREAM_WINDOW = 4 << 20
 MAX_MESSAGE = 64 << 20
 MAX_HEADER_LIST = 64 << 10
-MAX_STREAMS = 100_000
+# Streams at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS); more are refused.
+# High, because a refused ext_proc stream fails (Envoy may open streams before it has read
+# this setting): the limit that keeps a connection below Envoy's control-frame flood limit
+# is the ext_proc cluster's max_concurrent_streams (100) in envoy/*.yaml.
+MAX_STREAMS = 10_000
 # Decoded header blocks kept per connection (see ``H2Connection._metadata``).
 HEADER_CACHE = 64
+# Closed streams remembered per connection, to answer late frames on them (RFC 9113 §5.1).
+RECENT_CLOSED = 1024
+# How a remembered stream closed: we reset it or ended it while the peer was still sending
+# (its late frames are ignored), the peer ended it, or the peer reset it.
+CLOSED_BY_US, REMOTE_ENDED, REMOTE_RESET = 0, 1, 2
+# Request header fields HTTP/2 forbids (RFC 9113 §8.2.2) and the pseudo-headers it defines.
+CONNECTION_HEADERS = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade")
+)
+REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
 
 
 # A reply that waits, ``(first, rest)``: ``first`` goes out now, the awaited ``rest`` after
@@ -132,8 +148,38 @@ def grpc_message(payload: bytes) -> bytes:
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
+def request_problem(headers: list[tuple[str, str]]) -> str | None:
+    """What makes these request headers malformed (RFC 9113 §8.2, §8.3.1), or None."""
+    seen: set[str] = set()
+    regular = False
+    for name, value in headers:
+        if name.startswith(":"):
+            if regular:
+                return f"pseudo-header {name} after a regular header"
+            if name not in REQUEST_PSEUDO:
+                return f"pseudo-header {name} in a request"
+            if name in seen:
+                return f"pseudo-header {name} twice"
+            if name == ":path" and not value:
+                return "empty :path"
+            seen.add(name)
+            continue
+        regular = True
+        if name != name.lower():
+            return f"header name {name!r} not in lower case"
+        if name in CONNECTION_HEADERS:
+            return f"connection-specific header {name}"
+        if name == "te" and value != "trailers":
+            return f"te: {value!r} (only 'trailers' is allowed)"
+    missing = [n for n in (":method", ":scheme", ":path") if n not in seen]
+    if missing:
+        return f"no {', '.join(missing)}"
+    return None
+
+
 class _Stream:
     __slots__ = (
+        "expected",
         "finish",
         "headers_sent",
         "id",
@@ -141,6 +187,7 @@ class _Stream:
         "outbox",
         "pending",
         "recv_unacked",
+        "reject",
         "remote_done",
         "session",
         "task",
@@ -159,6 +206,9 @@ class _Stream:
         self.remote_done = False
         self.finish: bytes | None = None  # trailers waiting behind the outbox
         self.recv_unacked = 0
+        # Not a gRPC call: these trailers answer it once the request ends.
+        self.reject: bytes | None = None
+        self.expected: int | None = None  # DATA bytes still due by content-length
 
 
 class H2Connection(asyncio.Protocol):
@@ -170,8 +220,10 @@ class H2Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.preface_seen = False
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
-        self.header_cache: dict[bytes, dict[str, str]] = {}
+        self.header_cache: dict[bytes, tuple[dict[str, str], str | None]] = {}
         self.streams: dict[int, _Stream] = {}
+        # Closed stream id -> how it closed (CLOSED_BY_US, ...), oldest first.
+        self.recent: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.last_stream = 0
         self.send_window = DEFAULT_WINDOW
         self.peer_stream_window = DEFAULT_WINDOW
@@ -275,6 +327,10 @@ class H2Connection(asyncio.Protocol):
             if flags & PADDED:
                 payload = _unpad(payload)
             if flags & PRIORITY_FLAG:
+                if len(payload) < 5:
+                    raise ProtocolError(FRAME_SIZE_ERROR, "HEADERS priority cut short")
+                if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == sid:
+                    flags |= SELF_DEPENDENT  # a stream error once the block is decoded
                 payload = payload[5:]
             if flags & END_HEADERS:
                 self._on_headers(sid, flags, payload)
@@ -296,27 +352,48 @@ class H2Connection(asyncio.Protocol):
             if not flags & ACK:
                 self._on_settings(payload)
                 self.out.append(frame(SETTINGS, ACK, 0))
+            elif payload:
+                raise ProtocolError(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
         elif kind == WINDOW_UPDATE:
             self._on_window_update(sid, payload)
         elif kind == PING:
-            if len(payload) != 8 or sid != 0:
-                raise ProtocolError(FRAME_SIZE_ERROR, "malformed PING")
+            if sid != 0:
+                raise ProtocolError(PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                raise ProtocolError(FRAME_SIZE_ERROR, "PING not 8 bytes")
             if flags & ACK:
                 self.ping_due = None
             else:
                 self.out.append(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
+            if sid == 0:
+                raise ProtocolError(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:
+                raise ProtocolError(FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
             st = self.streams.pop(sid, None)
             if st is not None:
                 self.blocked.discard(sid)
                 self._end_session(st)
+                self._remember(sid, REMOTE_RESET)
+            elif sid > self.last_stream:
+                raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+        elif kind == PRIORITY:
+            # Priorities are ignored (RFC 9113 §5.3.2), but a malformed one is an error.
+            if sid == 0:
+                raise ProtocolError(PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:
+                self._stream_error(sid, FRAME_SIZE_ERROR)
+            elif int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == sid:
+                self._stream_error(sid, PROTOCOL_ERROR)
         elif kind == GOAWAY:
+            if sid != 0:
+                raise ProtocolError(PROTOCOL_ERROR, "GOAWAY on a stream")
             self.going_away = True
             if not self.streams:
                 self._close()
         elif kind == PUSH_PROMISE:
             raise ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-        # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
+        # Unknown frame types are ignored (RFC 9113 §5.5).
 
     def _on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:
@@ -324,6 +401,8 @@ class H2Connection(asyncio.Protocol):
         for i in range(0, len(payload), 6):
             key = int.from_bytes(payload[i : i + 2], "big")
             value = int.from_bytes(payload[i + 2 : i + 6], "big")
+            if key == S_ENABLE_PUSH and value > 1:
+                raise ProtocolError(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
             if key == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolError(FLOW_CONTROL_ERROR, "initial window too large")
@@ -352,6 +431,8 @@ class H2Connection(asyncio.Protocol):
         else:
             st = self.streams.get(sid)
             if st is None:
+                if sid > self.last_stream:
+                    raise ProtocolError(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
                 return
             st.window += inc
             if inc == 0 or st.window > MAX_WINDOW:
@@ -359,34 +440,37 @@ class H2Connection(asyncio.Protocol):
                 return
         self._drain_blocked()
 
-    def _metadata(self, block: bytes) -> dict[str, str]:
+    def _metadata(self, block: bytes) -> tuple[dict[str, str], str | None]:
         """Decode a header block; a repeated one that leaves the table alone is looked up.
 
         Envoy sends the same block for every ext_proc stream of a connection (its
         dynamic table entries plus a Huffman-coded ``:path`` literal), and decoding
-        that in pure Python is a quarter of the per-request CPU.
+        that in pure Python is a quarter of the per-request CPU. The second value says
+        what is malformed in it as request headers (checked once per distinct block).
         """
         cache = self.header_cache
-        metadata = cache.get(block)
-        if metadata is not None:
-            return metadata
+        cached = cache.get(block)
+        if cached is not None:
+            return cached
         try:
-            headers = self.decoder.decode(block)
+            headers = [(str(k), str(v)) for k, v in self.decoder.decode(block)]
         except hpack.HPACKError as exc:
             raise ProtocolError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        metadata = {str(k): str(v) for k, v in headers}
+        decoded = dict(headers), request_problem(headers)
         if changes_table(block):
             cache.clear()  # cached blocks may refer to entries that have moved
         else:
             if len(cache) >= HEADER_CACHE:
                 cache.clear()
-            cache[block] = metadata
-        return metadata
+            cache[block] = decoded
+        return decoded
 
     def _on_headers(self, sid: int, flags: int, block: bytes) -> None:
-        metadata = self._metadata(block)
+        metadata, problem = self._metadata(block)
         st = self.streams.get(sid)
         if st is not None:  # trailers
+            if st.remote_done:
+                raise ProtocolError(STREAM_CLOSED, f"HEADERS on half-closed stream {sid}")
             if not flags & END_STREAM:
                 raise ProtocolError(PROTOCOL_ERROR, "second HEADERS without END_STREAM")
             self._on_remote_end(st)
@@ -394,16 +478,33 @@ class H2Connection(asyncio.Protocol):
         if sid % 2 == 0:
             raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on even stream {sid}")
         if sid <= self.last_stream:
-            return  # trailers of a stream we have already finished
+            self._on_closed_stream(sid, "HEADERS")
+            return
         self.last_stream = sid
+        if problem is not None or flags & SELF_DEPENDENT:
+            log.warning("malformed request on an ext_proc connection: %s",
+                        problem or "stream depends on itself")  # fmt: skip
+            self._stream_error(sid, PROTOCOL_ERROR)
+            return
         if self.going_away or len(self.streams) >= MAX_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
             return
         st = _Stream(sid, None, self.peer_stream_window)
         self.streams[sid] = st
+        length = metadata.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                self._reset(st, PROTOCOL_ERROR)
+                return
+            st.expected = int(length)
         if metadata.get(":path") != self.server.path or metadata.get(":method") != "POST":
-            unknown = f"unknown method {metadata.get(':path')}"
-            self._finish(st, grpc_trailers(GRPC_UNIMPLEMENTED, unknown))
+            unknown = grpc_trailers(GRPC_UNIMPLEMENTED, f"unknown method {metadata.get(':path')}")
+            if metadata.get("content-type", "").startswith("application/grpc"):
+                self._finish(st, unknown)  # a gRPC client hears at once, as from any server
+            else:  # anything else is answered once its request has ended
+                st.reject = unknown
+                if flags & END_STREAM:
+                    self._on_remote_end(st)
             return
         try:
             st.session = self.server.factory(metadata)
@@ -428,7 +529,8 @@ class H2Connection(asyncio.Protocol):
         if st is None:
             if sid > self.last_stream:
                 raise ProtocolError(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            return  # a stream we have finished: the bytes are counted and dropped
+            self._on_closed_stream(sid, "DATA")  # the bytes are counted and dropped
+            return
         if st.remote_done:
             self._reset(st, STREAM_CLOSED)
             return
@@ -436,6 +538,15 @@ class H2Connection(asyncio.Protocol):
         if st.recv_unacked > OUR_STREAM_WINDOW // 2 and not flags & END_STREAM:
             self.out.append(frame(WINDOW_UPDATE, 0, sid, st.recv_unacked.to_bytes(4, "big")))
             st.recv_unacked = 0
+        if st.expected is not None:
+            st.expected -= len(payload)
+            if st.expected < 0 or (flags & END_STREAM and st.expected):
+                self._reset(st, PROTOCOL_ERROR)  # not the content-length it announced
+                return
+        if st.session is None:  # not a gRPC call, or already answered: dropped
+            if flags & END_STREAM:
+                self._on_remote_end(st)
+            return
         inbox = st.inbox
         inbox += payload
         while len(inbox) >= 5 and st.finish is None:
@@ -499,8 +610,35 @@ class H2Connection(asyncio.Protocol):
 
     def _on_remote_end(self, st: _Stream) -> None:
         st.remote_done = True
-        if st.task is None:
-            self._finish(st, _OK_TRAILERS)
+        if st.expected:
+            self._reset(st, PROTOCOL_ERROR)  # ended short of its content-length
+        elif st.task is None:
+            self._finish(st, st.reject or _OK_TRAILERS)
+
+    def _on_closed_stream(self, sid: int, kind: str) -> None:
+        """DATA or HEADERS on a stream that has closed (RFC 9113 §5.1)."""
+        how = self.recent.get(sid)
+        if how == REMOTE_ENDED:
+            raise ProtocolError(STREAM_CLOSED, f"{kind} on closed stream {sid}")
+        if how == REMOTE_RESET:
+            self.out.append(frame(RST_STREAM, 0, sid, STREAM_CLOSED.to_bytes(4, "big")))
+        elif how is None and kind == "HEADERS":
+            raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {sid} after {self.last_stream}")
+        # CLOSED_BY_US: frames the peer sent before it saw our end are ignored.
+
+    def _remember(self, sid: int, how: int) -> None:
+        recent = self.recent
+        if len(recent) >= RECENT_CLOSED:
+            recent.popitem(last=False)
+        recent[sid] = how
+
+    def _stream_error(self, sid: int, code: int) -> None:
+        st = self.streams.get(sid)
+        if st is not None:
+            self._reset(st, code)
+        else:
+            self.out.append(frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+            self._remember(sid, CLOSED_BY_US)
 
     def _end_session(self, st: _Stream) -> None:
         if st.task is not None:
@@ -570,9 +708,12 @@ class H2Connection(asyncio.Protocol):
             self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, st.id, block))
         self.streams.pop(st.id, None)
         self.blocked.discard(st.id)
-        if not st.remote_done:
+        if st.remote_done:
+            self._remember(st.id, REMOTE_ENDED)
+        else:
             # The client may still be sending: tell it to stop (RFC 9113 §8.1).
             self.out.append(frame(RST_STREAM, 0, st.id, NO_ERROR.to_bytes(4, "big")))
+            self._remember(st.id, CLOSED_BY_US)
         if self.going_away and not self.streams:
             self._flush()
             self._close()
@@ -582,6 +723,7 @@ class H2Connection(asyncio.Protocol):
         self.blocked.discard(st.id)
         self._end_session(st)
         self.out.append(frame(RST_STREAM, 0, st.id, code.to_bytes(4, "big")))
+        self._remember(st.id, CLOSED_BY_US)
 
     def _flush(self) -> None:
         if self.out and self.transport is not None and not self.closed:

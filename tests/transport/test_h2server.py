@@ -472,7 +472,7 @@ async def test_repeated_block_decodes_against_the_current_table(
     server, rec = served
     peer = await RawPeer.connect(server)
     peer.send(h2.SETTINGS, 0, 0)
-    head = b"\x83" + _path_literal()
+    head = b"\x83\x86" + _path_literal()  # :method POST, :scheme http, :path
     refers = head + b"\xbe"  # dynamic index 62: the newest entry, whatever it is by then
     blocks = [
         head + _indexed_new("x-prefix", "one"),
@@ -486,4 +486,161 @@ async def test_repeated_block_decodes_against_the_current_table(
     await _until(lambda: len(rec.metadata) == len(blocks), "every stream opened")
     assert [m["x-prefix"] for m in rec.metadata] == ["one", "one", "one", "two", "two"]
     assert all(m[":path"] == PATH for m in rec.metadata)
+    peer.close()
+
+
+# ----- protocol violations (RFC 9113), as h2spec sends them ---------------------------
+
+
+def _u32(n: int) -> bytes:
+    return n.to_bytes(4, "big")
+
+
+async def _rst_code(peer: RawPeer, sid: int) -> int:
+    while (f := await peer.frame()) is not None:
+        if f[0] == h2.RST_STREAM and f[2] == sid:
+            return int.from_bytes(f[3], "big")
+    raise AssertionError(f"no RST_STREAM on stream {sid}")
+
+
+def _data_after_end(p: RawPeer) -> None:
+    p.open(1)
+    p.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"x"))
+    p.send(h2.DATA, 0, 1, b"late")
+
+
+def _lower_stream_id(p: RawPeer) -> None:
+    p.open(5)
+    p.open(3)
+
+
+CONNECTION_ERRORS = {
+    "RST_STREAM on stream 0": (lambda p: p.send(h2.RST_STREAM, 0, 0, _u32(0)), h2.PROTOCOL_ERROR),
+    "RST_STREAM on an idle stream": (
+        lambda p: p.send(h2.RST_STREAM, 0, 9, _u32(0)), h2.PROTOCOL_ERROR),
+    "RST_STREAM not 4 bytes": (lambda p: p.send(h2.RST_STREAM, 0, 1, b"\0" * 3),
+                               h2.FRAME_SIZE_ERROR),
+    "WINDOW_UPDATE on an idle stream": (
+        lambda p: p.send(h2.WINDOW_UPDATE, 0, 9, _u32(1)), h2.PROTOCOL_ERROR),
+    "SETTINGS ack with a payload": (
+        lambda p: p.send(h2.SETTINGS, h2.ACK, 0, b"\0" * 6), h2.FRAME_SIZE_ERROR),
+    "SETTINGS_ENABLE_PUSH 2": (
+        lambda p: p.send(h2.SETTINGS, 0, 0, h2.S_ENABLE_PUSH.to_bytes(2, "big") + _u32(2)),
+        h2.PROTOCOL_ERROR),
+    "PRIORITY on stream 0": (lambda p: p.send(h2.PRIORITY, 0, 0, b"\0" * 5), h2.PROTOCOL_ERROR),
+    "PING on a stream": (lambda p: p.send(h2.PING, 0, 1, b"\0" * 8), h2.PROTOCOL_ERROR),
+    "GOAWAY on a stream": (lambda p: p.send(h2.GOAWAY, 0, 1, b"\0" * 8), h2.PROTOCOL_ERROR),
+    "DATA after the peer ended the stream": (_data_after_end, h2.STREAM_CLOSED),
+    "HEADERS on a lower stream id": (_lower_stream_id, h2.PROTOCOL_ERROR),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CONNECTION_ERRORS))
+async def test_connection_error_gets_goaway_with_its_code(
+    served: tuple[GrpcServer, Recorder], case: str
+) -> None:
+    server, _ = served
+    send, code = CONNECTION_ERRORS[case]
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    send(peer)
+    assert await _goaway_code(peer) == code
+    peer.close()
+
+
+def _block(peer: RawPeer, headers: list[tuple[str, str]]) -> bytes:
+    return peer.encoder.encode(headers)
+
+
+GRPC_HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                (":authority", "x"), ("content-type", "application/grpc")]  # fmt: skip
+
+MALFORMED = {
+    "upper-case name": [*GRPC_HEADERS, ("X-Upper", "1")],
+    "unknown pseudo-header": [(":foo", "1"), *GRPC_HEADERS],
+    "response pseudo-header": [(":status", "200"), *GRPC_HEADERS],
+    "pseudo-header after a regular one": [*GRPC_HEADERS, (":authority", "y")],
+    "connection-specific header": [*GRPC_HEADERS, ("connection", "keep-alive")],
+    "te other than trailers": [*GRPC_HEADERS, ("te", "gzip")],
+    "empty :path": [(n, "" if n == ":path" else v) for n, v in GRPC_HEADERS],
+    "no :scheme": [h for h in GRPC_HEADERS if h[0] != ":scheme"],
+    "two :method": [(":method", "POST"), *GRPC_HEADERS],
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_malformed_request_is_a_stream_error_and_the_connection_carries_on(
+    served: tuple[GrpcServer, Recorder], case: str
+) -> None:
+    server, rec = served
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(h2.HEADERS, h2.END_HEADERS, 1, _block(peer, MALFORMED[case]))
+    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    assert rec.opened == 0
+    peer.open(3)
+    peer.send(h2.DATA, h2.END_STREAM, 3, h2.grpc_message(b"fine"))
+    data = await peer.until(h2.DATA)
+    assert data is not None and data[2] == 3 and data[3] == h2.grpc_message(b"fine")
+    peer.close()
+
+
+async def test_content_length_that_does_not_match_is_a_stream_error(
+    served: tuple[GrpcServer, Recorder],
+) -> None:
+    server, _ = served
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    block = _block(peer, [*GRPC_HEADERS, ("content-length", "100")])
+    peer.send(h2.HEADERS, h2.END_HEADERS, 1, block)
+    peer.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"short"))
+    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    peer.close()
+
+
+async def test_priority_on_itself_is_a_stream_error(served: tuple[GrpcServer, Recorder]) -> None:
+    server, _ = served
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    peer.open(1)
+    peer.send(h2.PRIORITY, 0, 1, _u32(1) + b"\x10")
+    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    peer.close()
+
+
+async def test_frames_after_our_reset_are_ignored(served: tuple[GrpcServer, Recorder]) -> None:
+    """We end a stream early (RST_STREAM NO_ERROR); DATA already on its way is dropped."""
+    server, _ = served
+    peer = await RawPeer.connect(server)
+    peer.send(h2.SETTINGS, 0, 0)
+    peer.open(1)
+    peer.send(h2.DATA, 0, 1, h2.grpc_message(b"raise"))  # the session fails: INTERNAL
+    assert await _rst_code(peer, 1) == h2.NO_ERROR
+    peer.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"late"))
+    peer.open(3)
+    peer.send(h2.DATA, h2.END_STREAM, 3, h2.grpc_message(b"next"))
+    data = await peer.until(h2.DATA)
+    assert data is not None and data[2] == 3
+    assert server.closed_for == {}
+    peer.close()
+
+
+async def test_streams_beyond_the_advertised_limit_are_refused(
+    served: tuple[GrpcServer, Recorder],
+) -> None:
+    server, rec = served
+    peer = await RawPeer.connect(server)
+    settings = await peer.until(h2.SETTINGS)
+    assert settings is not None
+    advertised = {
+        int.from_bytes(settings[3][i : i + 2], "big"): int.from_bytes(settings[3][i + 2 : i + 6])
+        for i in range(0, len(settings[3]), 6)
+    }
+    assert advertised[h2.S_MAX_CONCURRENT_STREAMS] == h2.MAX_STREAMS
+    peer.send(h2.SETTINGS, 0, 0)
+    for i in range(h2.MAX_STREAMS + 1):
+        peer.open(2 * i + 1)
+    last = 2 * h2.MAX_STREAMS + 1
+    assert await _rst_code(peer, last) == h2.REFUSED_STREAM
+    assert rec.opened == h2.MAX_STREAMS
     peer.close()
