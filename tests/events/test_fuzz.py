@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from typing import Any
 
@@ -281,10 +282,44 @@ def _fuzz_frames(messages: list[list[bytes]], ticks: int) -> None:
     RUN["examples"] += 1
 
 
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+_CFG = {"v": 1, "worker_id": "a", "model": "m", "endpoint": ENDPOINTS[0]}
+# One message per drop reason, in every run whatever hypothesis draws.
+FIXED: list[list[bytes]] = [
+    [b"load"],
+    [b"hello", _encode(_CFG, False)],
+    [b"load", b"\xc1"],
+    [b"load", _encode({"worker_id": "a", "active_decode_blocks": True}, True)],
+    [b"load", _encode({"worker_id": "a", "dp_rank": 3, "active_decode_blocks": 1}, False)],
+    [b"config", _encode({**_CFG, "v": 2}, False)],
+    [b"config", _encode({**_CFG, "endpoint": "h:0"}, False)],
+    [b"config", _encode({**_CFG, "endpoint": "10.0.0.1:80"}, False)],
+]
+
+
 def test_fuzzed_frames_never_raise_are_counted_once_and_drops_change_nothing() -> None:
     RUN.update(dict.fromkeys(RUN, 0))
     REASONS_SEEN.clear()
-    _fuzz_frames()
+    errors, log = _Errors(), logging.getLogger("extproc.events")
+    log.addHandler(errors)
+    try:
+        pool, metrics, sub = fresh()
+        for msg in FIXED:
+            feed_one(pool, metrics, sub, msg)
+        assert set(DROP_REASONS) == REASONS_SEEN
+        _fuzz_frames()
+    finally:
+        log.removeHandler(errors)
+    # The subscriber's catch-all ("unexpected error applying an event") never fired.
+    assert errors.messages == []
     print(f"\nevent fuzz: {RUN}, drop reasons seen: {sorted(REASONS_SEEN)}")
     assert RUN["examples"] == EXAMPLES
     assert RUN["received"] > 50 and RUN["dropped"] > 200

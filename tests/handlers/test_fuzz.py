@@ -34,12 +34,13 @@ from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
 from extproc.handlers import replies
 from extproc.handlers.processor import PROCESS_PATH, ROLE_METADATA, ExtProcHandler
+from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
 from extproc.transport.h2server import GrpcServer
 
 EXAMPLES = 120
 STREAMS = 40
-RUN = {"examples": 0, "messages": 0, "undecodable": 0, "immediate": 0, "routed": 0}
+RUN = {"examples": 0, "messages": 0, "undecodable": 0, "immediate": 0, "routed": 0, "deferred": 0}
 
 PHASES = [
     "request_headers",
@@ -61,12 +62,21 @@ class Clock:
         return self.t
 
 
-def make_handler() -> ExtProcHandler:
-    pool = WorkerPool(BusyThresholds(0.5, 100_000), clock=Clock())
-    pool.announce("a", model="m", endpoint="127.0.0.1:8000", kv_total_blocks=1000)
-    pool.announce("b", model="m", endpoint="127.0.0.1:8001", kv_total_blocks=50, dp_size=2)
-    pool.announce("c", model="n", endpoint="127.0.0.1:8002", kv_total_blocks=10)
-    return ExtProcHandler(pool, Scheduler(pool), Metrics())
+def make_handler(queued: bool = False) -> ExtProcHandler:
+    """Two models on three workers; ``queued``: a router queue that a few requests fill."""
+    share = 0.5 if queued else None
+    pool = WorkerPool(BusyThresholds(0.5, 100_000), queue_threshold=share, clock=Clock())
+    batch = 8 if queued else None  # queue limit floor(0.5 x 8) = 4 prefill tokens a worker
+    pool.announce("a", model="m", endpoint="127.0.0.1:8000", kv_total_blocks=1000,
+                  max_num_batched_tokens=batch)  # fmt: skip
+    pool.announce("b", model="m", endpoint="127.0.0.1:8001", kv_total_blocks=50, dp_size=2,
+                  max_num_batched_tokens=batch)  # fmt: skip
+    pool.announce("c", model="n", endpoint="127.0.0.1:8002", kv_total_blocks=10,
+                  max_num_batched_tokens=batch)  # fmt: skip
+    queue = RouterQueue(0.2) if queued else None
+    if queue is not None:
+        pool.on_capacity = queue.notify
+    return ExtProcHandler(pool, Scheduler(pool, queue_threshold=share), Metrics(), queue=queue)
 
 
 def estimates(pool: WorkerPool) -> list[tuple[str, int, int, int, int]]:
@@ -227,20 +237,26 @@ def _parses(message: bytes) -> str | None:
     return ep.ProcessingRequest.FromString(message).WhichOneof("request")
 
 
-def check_reply(message: bytes, reply: Any) -> None:
+def check_reply(message: bytes, reply: Any) -> bool:
+    """Check one reply; True if it is the first half of a deferred one (more to read)."""
     RUN["messages"] += 1
     phase = _parses(message)
-    assert isinstance(reply, bytes), type(reply)  # no router queue here: never deferred
+    assert isinstance(reply, bytes), type(reply)  # no router queue in-process: not deferred
     resp = ep.ProcessingResponse.FromString(reply)
     got = resp.WhichOneof("response")
+    if got is None and resp.HasField("override_message_timeout"):
+        assert phase == "request_body", phase  # only a decision waits in the queue
+        RUN["deferred"] += 1
+        return True
     if got == "immediate_response":
         assert reply != replies.INTERNAL_ERROR, "a handler error became a 500"
         assert 400 <= resp.immediate_response.status.code < 600 or got
         RUN["immediate"] += 1
-        return
+        return False
     assert got == (phase or "request_headers"), (phase, got)
     if resp.request_body.response.header_mutation.set_headers:
         RUN["routed"] += 1
+    return False
 
 
 class _Errors(logging.Handler):
@@ -364,7 +380,10 @@ async def _one_stream(channel: grpc.aio.Channel, msgs: list[bytes]) -> tuple[str
             break
         if reply is grpc.aio.EOF:
             break
-        check_reply(msg, reply)
+        if check_reply(msg, reply):  # waits in the router queue: the decision follows
+            rest = await call.read()
+            assert rest is not grpc.aio.EOF
+            assert not check_reply(msg, rest)
         n += 1
     else:
         await call.done_writing()
@@ -379,36 +398,68 @@ async def _one_stream(channel: grpc.aio.Channel, msgs: list[bytes]) -> tuple[str
     return code.name, n
 
 
+async def _hold(channel: grpc.aio.Channel, model: str) -> grpc.aio.StreamStreamCall:
+    """A routed request that stays in flight: its prompt fills a rank's queue limit."""
+    call = channel.stream_stream(
+        PROCESS_PATH, request_serializer=None, response_deserializer=None
+    )()
+    headers, _ = stream_messages_valid()
+    await call.write(headers)
+    await call.read()
+    body = json.dumps({"model": model, "prompt": "x" * 400}).encode()
+    await call.write(
+        ep.ProcessingRequest(
+            request_body=ep.HttpBody(body=body, end_of_stream=True)
+        ).SerializeToString()
+    )
+    resp = ep.ProcessingResponse.FromString(await call.read())
+    assert resp.request_body.response.header_mutation.set_headers, resp  # routed
+    return call
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["direct", "router-queue"])
 async def test_fuzzed_streams_through_the_http2_server_end_cleanly_and_it_keeps_serving(
-    handler_errors: _Errors,
+    handler_errors: _Errors, queued: bool
 ) -> None:
-    handler = make_handler()
+    """Streams go 8 at a time, so with a router queue some wait and get a deferred reply."""
+    handler = make_handler(queued)
     server = GrpcServer(PROCESS_PATH, handler.open_session)
     await server.start("127.0.0.1", 0)
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     ended: dict[str, int] = {}
+    RUN["deferred"] = 0
+    streams = _seeded_streams(STREAMS)
     try:
         async with grpc.aio.insecure_channel(
             f"127.0.0.1:{server.ports[0]}", options=options
         ) as channel:
-            for msgs in _seeded_streams(STREAMS):
-                code, _ = await asyncio.wait_for(_one_stream(channel, msgs), 10)
-                ended[code] = ended.get(code, 0) + 1
+            holders = [await _hold(channel, model) for model in "mmmn"] if queued else []
+            for i in range(0, len(streams), 8):
+                batch = [_one_stream(channel, msgs) for msgs in streams[i : i + 8]]
+                for code, _ in await asyncio.wait_for(asyncio.gather(*batch), 10):
+                    ended[code] = ended.get(code, 0) + 1
+            for call in holders:
+                await call.done_writing()
+                assert await call.read() is grpc.aio.EOF
             # Still serving: a valid request is routed.
             valid = stream_messages_valid()
             code, n = await asyncio.wait_for(_one_stream(channel, valid), 10)
             assert (code, n) == ("OK", 2)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
-        while handler.metrics.streams._value.get() > 0:  # sessions close as streams end
+        while handler.metrics.registry.get_sample_value("extproc_streams"):  # sessions close
             assert loop.time() < deadline, "sessions not closed"
             await asyncio.sleep(0.01)
         assert estimates(handler.pool) == []
     finally:
         await server.stop(1.0)
-    print(f"\next_proc fuzz through HTTP/2: {sum(ended.values())} streams, ended {ended}")
+    print(
+        f"\next_proc fuzz through HTTP/2 ({'router queue' if queued else 'direct'}): "
+        f"{sum(ended.values())} streams, ended {ended}, deferred replies {RUN['deferred']}"
+    )
     assert handler_errors.records == [], [r.getMessage() for r in handler_errors.records]
-    assert ended.get("OK", 0) > STREAMS // 2 and ended.get("INTERNAL", 0) >= 1
+    assert ended.get("OK", 0) > len(streams) // 2 and ended.get("INTERNAL", 0) >= 1
+    assert (RUN["deferred"] > 0) is queued
 
 
 def stream_messages_valid(request_id: str | None = None) -> list[bytes]:
