@@ -7,7 +7,8 @@ the request, calls them and applies the result to the pool.
 Checks run in this order, the first failure answers:
 
 1. 415 ``Content-Type`` is not ``application/json`` (parameters such as charset ignored);
-2. 400 the body is empty or not valid JSON;
+2. 400 the body cannot be read (a ``Content-Encoding`` it is not in), is empty or is not
+   valid JSON;
 3. 422 the body is not an object; ``model`` missing, null or not a string; a threshold of
    the wrong type (string or bool for a number; for the token threshold anything but an
    unsigned 64-bit integer: a float, a negative number, a number above 2^64-1, as in
@@ -244,6 +245,11 @@ def add_routes(app: web.Application, pool: WorkerPool) -> None:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(413, f"request body too large: {exc.text}")
+        except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip, body is not
+            reason = str(exc).split("message:", 1)[-1].strip()
+            response = _error(400, f"request body cannot be read: {reason}")
+            response.force_close()  # the rest of the body cannot be read either
+            return response
         try:
             update = parse_threshold_update(decode_body(request.headers.get("Content-Type"), raw))
             thresholds = apply_update(pool, update)

@@ -128,6 +128,8 @@ class ExtProcHandler:
     # ----- request phase ---------------------------------------------------------------
 
     def _on_request_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
+        if st.ticket is not None:  # headers again after routing: one decision per stream
+            return replies.CONTINUE_REQUEST_HEADERS
         method = path = ""
         for h in msg.headers.headers:
             key = h.key
@@ -150,8 +152,9 @@ class ExtProcHandler:
         return replies.CONTINUE_REQUEST_HEADERS
 
     def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply:
-        if st.endpoint_label is None:
-            # Headers were not sent to us (per-route SKIP); nothing to decide on.
+        if st.endpoint_label is None or st.ticket is not None:
+            # Headers were not sent to us (per-route SKIP): nothing to decide on; or the
+            # request is already routed: one decision (and one estimate) per stream.
             return replies.CONTINUE_REQUEST_BODY
         started = self.clock()
         try:
