@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
+from extproc.devstack import free_port
 from extproc.events.schema import DROP_REASONS
 from extproc.events.subscriber import EventSubscriber
 from extproc.metrics.registry import Metrics
-from tests.support.stack import free_port
 
 EXAMPLES = 300
 STREAM_MESSAGES = 400
@@ -380,7 +380,7 @@ async def test_fuzzed_stream_through_zmq_then_a_valid_config_still_applies() -> 
         await _until(lambda: "after" in pool.workers, "the valid config after the fuzz")
         worker = pool.workers["after"]
         assert (worker.model, worker.endpoint, worker.configured) == ("m2", "127.0.0.1:7000", True)
-        assert pool.by_endpoint["127.0.0.1:7000"] is worker
+        assert pool.by_endpoint[("127.0.0.1:7000", "m2")] is worker
         print(f"\nevent fuzz through ZMQ: {len(sent)} messages, dropped {dict(drop)}")
     finally:
         pub.close(0)
