@@ -300,7 +300,7 @@ async def test_fuzzed_posts_never_5xx_and_4xx_change_nothing(
             assert payload[name] is None
     print(f"\nadmin fuzz: {len(cases)} POSTs, by status {dict(sorted(seen.items()))}")
     assert len(cases) >= CASES // 2 + len(FIXED)
-    assert seen.get(200, 0) > 10 and seen.get(400, 0) > 10 and seen.get(422, 0) > 10
+    assert seen.get(200, 0) >= 5 and seen.get(400, 0) >= 5 and seen.get(422, 0) >= 5
     assert seen.get(415, 0) > 10 and seen.get(413) == 1 and seen.get(404, 0) >= 1
 
 
