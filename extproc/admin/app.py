@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admin.auth import AdminAuth, auth_middleware
 from extproc.admin.diagnostics import workers_view
+from extproc.admin.status import add_routes as add_status_routes
 from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import Metrics
@@ -57,4 +58,5 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_view)
     add_threshold_routes(app, pool)
+    add_status_routes(app, pool, metrics)
     return app
