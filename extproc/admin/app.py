@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admin.auth import AdminAuth, auth_middleware
 from extproc.admin.diagnostics import workers_view
+from extproc.admin.series import StatusCollector
 from extproc.admin.status import add_routes as add_status_routes
 from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.core.pool import WorkerPool
@@ -59,4 +60,5 @@ def build_app(
     app.router.add_get("/metrics", metrics_view)
     add_threshold_routes(app, pool)
     add_status_routes(app, pool, metrics)
+    metrics.registry.register(StatusCollector(pool))
     return app
