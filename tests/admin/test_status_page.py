@@ -122,11 +122,30 @@ async def test_every_worker_busy_marks_the_model_rejecting_and_stale_load_shows(
         assert worker["display_why"].startswith("no load events for 30 s")
 
 
+async def test_metrics_carry_busy_limits_model_states_and_load_age() -> None:
+    pool = _pool()
+    pool.apply(ConfigEvent(worker_id="w3", model="m", endpoint="127.0.0.1:3"))
+    metrics = Metrics()
+    metrics.attach(pool)
+    async with TestClient(TestServer(build_app(pool, metrics, Readiness()))) as client:
+        text = await (await client.get("/metrics")).text()
+    lines = set(text.splitlines())
+    limit = 'extproc_worker_busy_limit{check="active_decode_blocks_threshold",dp_rank="0"'
+    assert f'{limit},worker_id="w1",worker_type="decode"}} 50.0' in lines
+    assert not any('worker_id="w3"' in x for x in lines if x.startswith(limit))  # no kv total
+    assert 'extproc_model_workers{model="m",state="busy"} 1.0' in lines
+    assert 'extproc_model_workers{model="m",state="free"} 2.0' in lines
+    assert 'extproc_model_workers{model="m",state="overloaded"} 0.0' in lines
+    assert 'extproc_worker_load_age_seconds{model="m",worker_id="w3"} +Inf' in lines
+
+
 # ----- the rendered page in a real browser ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def browser() -> Any:
+    """Function-scoped: Playwright's sync API runs an event loop, which must be gone before
+    the module's async tests run."""
     if not os.path.exists(CHROMIUM):
         print(f"SKIP reason: {CHROMIUM} not found (apt-get install chromium)")
         pytest.skip(f"{CHROMIUM} not found: apt-get install chromium")
@@ -212,20 +231,3 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
     if os.environ.get("UPDATE_SCREENSHOT") == "1":
         shutil.copy(shot, ROOT / "docs" / "status-page.png")
     page.close()
-
-
-async def test_metrics_carry_busy_limits_model_states_and_load_age() -> None:
-    pool = _pool()
-    pool.apply(ConfigEvent(worker_id="w3", model="m", endpoint="127.0.0.1:3"))
-    metrics = Metrics()
-    metrics.attach(pool)
-    async with TestClient(TestServer(build_app(pool, metrics, Readiness()))) as client:
-        text = await (await client.get("/metrics")).text()
-    lines = set(text.splitlines())
-    limit = 'extproc_worker_busy_limit{check="active_decode_blocks_threshold",dp_rank="0"'
-    assert f'{limit},worker_id="w1",worker_type="decode"}} 50.0' in lines
-    assert not any('worker_id="w3"' in x for x in lines if x.startswith(limit))  # no kv total
-    assert 'extproc_model_workers{model="m",state="busy"} 1.0' in lines
-    assert 'extproc_model_workers{model="m",state="free"} 2.0' in lines
-    assert 'extproc_model_workers{model="m",state="overloaded"} 0.0' in lines
-    assert 'extproc_worker_load_age_seconds{model="m",worker_id="w3"} +Inf' in lines
