@@ -183,6 +183,9 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
 
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(ext.admin + "/status")
+    # Fresh load reports: data older than 5 s shows as stale, and starting a browser can be slow.
+    pub.load("gpu-a", active_decode_blocks=90, active_prefill_tokens=12)
+    pub.load("gpu-b", active_decode_blocks=20)
     row = page.locator('tr.worker[data-worker-id="gpu-a"]')
     row.wait_for(timeout=10_000)
     page.wait_for_function(
