@@ -182,6 +182,11 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
     wait_until(lambda: ext.workers()["gpu-a"]["state"] == "busy", 10, "gpu-a busy")
 
     page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+    requested: list[str] = []
+    page.on("request", lambda req: requested.append(req.url))
     page.goto(ext.admin + "/status")
     # Fresh load reports: data older than 5 s shows as stale, and starting a browser can be slow.
     pub.load("gpu-a", active_decode_blocks=90, active_prefill_tokens=12)
@@ -233,4 +238,10 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
     assert shot.stat().st_size > 10_000
     if os.environ.get("UPDATE_SCREENSHOT") == "1":
         shutil.copy(shot, ROOT / "docs" / "status-page.png")
+    assert not errors, errors
+    # Nothing but the page and its JSON: works air-gapped.
+    assert {u.split("?")[0] for u in requested} <= {
+        ext.admin + "/status",
+        ext.admin + "/status.json",
+    }, requested
     page.close()
