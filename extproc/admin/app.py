@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc.admin.auth import AdminAuth, auth_middleware
 from extproc.admin.classes import add_routes as add_class_routes
 from extproc.admin.diagnostics import workers_view
+from extproc.admin.series import StatusCollector
+from extproc.admin.status import add_routes as add_status_routes
 from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.core.classes import ClassRegistry
 from extproc.core.pool import WorkerPool
@@ -66,4 +68,6 @@ def build_app(
     add_threshold_routes(app, pool)
     if classes is not None:
         add_class_routes(app, classes)
+    add_status_routes(app, pool, metrics)
+    metrics.registry.register(StatusCollector(pool))
     return app

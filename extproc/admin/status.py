@@ -1,0 +1,210 @@
+"""``GET /status`` (a self-contained HTML page) and ``GET /status.json`` (what it draws).
+
+The page is one static file (``status.html``: inline CSS and JS, no CDN, works air-gapped)
+that fetches ``/status.json`` every second and never writes. ``/status.json`` is built at
+read time from the pool (per model thresholds and overload state, per worker and rank the
+effective load against each limit, reported vs router estimate) and from the Metrics
+registry (router queue, event drops), plus :class:`DecisionHistory`: per-second decision
+counts by outcome for the last few minutes, sampled from the counters once a second on a
+timer, so the request path pays nothing for it and the chart has history on first load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from extproc.admin.diagnostics import STALE_LOAD_SECONDS, worker_view
+from extproc.core.pool import WorkerPool
+from extproc.metrics.registry import DECISION_OUTCOMES, Metrics
+from extproc.openai.errors import overload_status_from_env
+
+HISTORY_SECONDS = 300
+PAGE = "status.html"
+
+
+def counter_totals(counter: Counter) -> dict[str, float]:
+    """A one-label counter's ``_total`` samples by label value (only that metric is read)."""
+    out: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels:
+                out[next(iter(sample.labels.values()))] = sample.value
+    return out
+
+
+def _rejection_totals(counter: Counter) -> float:
+    return sum(s.value for f in counter.collect() for s in f.samples if s.name.endswith("_total"))
+
+
+class DecisionHistory:
+    """Ring buffer of per-second decision counts by outcome (and rejections), newest last."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        seconds: int = HISTORY_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.points: deque[dict[str, Any]] = deque(maxlen=seconds)
+        self._last: dict[str, float] | None = None
+        self._last_rejected = 0.0
+
+    def sample(self) -> None:
+        """Append the counts since the previous call (the first call only sets the base)."""
+        totals = counter_totals(self.metrics.decisions)
+        rejected = _rejection_totals(self.metrics.rejections)
+        if self._last is not None:
+            last = self._last
+            counts = {o: max(0.0, totals.get(o, 0.0) - last.get(o, 0.0)) for o in totals}
+            self.points.append(
+                {
+                    "t": round(self.clock(), 3),
+                    "decisions": {o: int(n) for o, n in counts.items() if n},
+                    "rejected": int(max(0.0, rejected - self._last_rejected)),
+                }
+            )
+        self._last = totals
+        self._last_rejected = rejected
+
+    async def run(self, period: float = 1.0) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            self.sample()
+            next_at += period
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+
+
+def _families(metrics: Metrics, names: Iterable[str]) -> dict[str, list[Any]]:
+    wanted = set(names)
+    out: dict[str, list[Any]] = {n: [] for n in wanted}
+    for family in metrics.registry.collect():
+        if family.name in wanted:
+            out[family.name].extend(family.samples)
+    return out
+
+
+def _display_state(worker: dict[str, Any], stale_after: float) -> tuple[str, str]:
+    """free / busy / overloaded / stale / not_routable, and why (stale wins over free/busy)."""
+    state, why = worker["state"], worker["why"]
+    age = worker["last_load_age_s"]
+    if state in ("free", "busy") and age is not None and age > stale_after:
+        return "stale", f"no load events for {age:.0f} s (was {state}: {why})"
+    return state, why
+
+
+def status_view(
+    pool: WorkerPool, metrics: Metrics, history: DecisionHistory, overload_status: int
+) -> dict[str, Any]:
+    now = pool.clock()
+    stale_after = min(STALE_LOAD_SECONDS, pool.worker_ttl / 2)
+    workers = []
+    for w in pool.workers.values():
+        view = worker_view(pool, w, now)
+        view["display_state"], view["display_why"] = _display_state(view, stale_after)
+        workers.append(view)
+    fam = _families(
+        metrics,
+        (
+            "extproc_router_queue_depth",
+            "extproc_router_queue_wait_seconds",
+            "extproc_events_dropped",
+            "extproc_events_lost",
+        ),
+    )
+    depth = {s.labels["model"]: int(s.value) for s in fam["extproc_router_queue_depth"]}
+    wait = {
+        s.name.rsplit("_", 1)[1]: s.value
+        for s in fam["extproc_router_queue_wait_seconds"]
+        if s.name.endswith(("_sum", "_count"))
+    }
+    dropped = {
+        s.labels["reason"]: int(s.value)
+        for s in fam["extproc_events_dropped"]
+        if s.name.endswith("_total")
+    }
+    lost = sum(int(s.value) for s in fam["extproc_events_lost"] if s.name.endswith("_total"))
+    models = []
+    for model in pool.models():
+        members = [v for v in workers if v["model"] == model]
+        states = [v["display_state"] for v in members if v["state"] != "not_routable"]
+        models.append(
+            {
+                "model": model,
+                "thresholds": pool.thresholds_for(model).as_dict(),
+                "workers": len(members),
+                # What a request for this model gets now: the overload reply when every
+                # routable worker is busy or marked overloaded.
+                "overloaded": bool(states) and all(s in ("busy", "overloaded") for s in states),
+                "router_queue_depth": depth.get(model, 0),
+            }
+        )
+    return {
+        "now": round(time.time(), 3),
+        "overload_status": overload_status,
+        "router_mode_kv": pool.kv_mode,
+        "worker_ttl_s": pool.worker_ttl,
+        "stale_after_s": stale_after,
+        "counts": pool.counts(),
+        "models": models,
+        "workers": workers,
+        "router_queue": {
+            "depth": depth,
+            "wait_count": int(wait.get("count", 0)),
+            "wait_sum_s": round(wait.get("sum", 0.0), 6),
+        },
+        "events": {"dropped": dropped, "lost": lost},
+        "outcomes": list(DECISION_OUTCOMES),
+        "history": list(history.points),
+    }
+
+
+def page_html() -> bytes:
+    return resources.files("extproc.admin").joinpath(PAGE).read_bytes()
+
+
+def add_routes(app: web.Application, pool: WorkerPool, metrics: Metrics) -> None:
+    """``GET /status``, ``GET /status.json`` and ``GET /`` (redirects to ``/status``)."""
+    history = DecisionHistory(metrics)
+    overload_status, _ = overload_status_from_env()
+    html = page_html()
+
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(
+            body=html,
+            content_type="text/html",
+            charset="utf-8",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def data(_: web.Request) -> web.Response:
+        return web.json_response(
+            status_view(pool, metrics, history, overload_status),
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def root(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/status")
+
+    async def sampler(_: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(history.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.router.add_get("/status", page)
+    app.router.add_get("/status.json", data)
+    app.router.add_get("/", root)
+    app.cleanup_ctx.append(sampler)

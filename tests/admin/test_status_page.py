@@ -1,0 +1,251 @@
+"""The status page (``/status``, ``/status.json``): its JSON in-process, and the rendered page
+in Debian's headless chromium against the real stack (Envoy -> extproc -> echo workers).
+
+``UPDATE_SCREENSHOT=1`` rewrites docs/status-page.png from the browser test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from extproc.admin.app import Readiness, build_app
+from extproc.admin.auth import AdminAuth
+from extproc.admin.status import DecisionHistory
+from extproc.core.busy import BusyThresholds
+from extproc.core.pool import WorkerPool
+from extproc.devstack import get_json, http, wait_until
+from extproc.metrics.registry import Metrics
+from tests.conftest import Stack
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = "/v1/chat/completions"
+
+
+def chat(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+# ----- in-process: the JSON, the history sampler, the read-only page ---------------------
+
+
+def _pool() -> WorkerPool:
+    pool = WorkerPool(BusyThresholds(active_decode_blocks=0.5))
+    pool.announce("w1", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    pool.announce("w2", model="m", endpoint="127.0.0.1:2", kv_total_blocks=100)
+    pool.report_load("w1", active_decode_blocks=80)
+    pool.report_load("w2", active_decode_blocks=10)
+    return pool
+
+
+def test_history_counts_per_second_deltas_by_outcome() -> None:
+    metrics = Metrics()
+    history = DecisionHistory(metrics, seconds=3, clock=lambda: 100.0)
+    history.sample()  # the base: no point yet
+    assert list(history.points) == []
+    metrics.outcome["routed"].inc(5)
+    metrics.outcome["overloaded"].inc(2)
+    metrics.rejections.labels("m", "chat_completions").inc(2)
+    history.sample()
+    history.sample()
+    assert list(history.points) == [
+        {"t": 100.0, "decisions": {"routed": 5, "overloaded": 2}, "rejected": 2},
+        {"t": 100.0, "decisions": {}, "rejected": 0},
+    ]
+    for _ in range(5):
+        history.sample()
+    assert len(history.points) == 3  # a ring: the oldest go
+
+
+async def test_status_json_and_page_are_reads_open_under_a_token() -> None:
+    pool = _pool()
+    app = build_app(pool, Metrics(), Readiness(), AdminAuth("s3cret", required=True))
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.get("/status.json")
+        assert resp.status == 200
+        body = await resp.json()
+        assert body["overload_status"] == 529
+        assert body["models"] == [
+            {
+                "model": "m",
+                "thresholds": {
+                    "active_decode_blocks_threshold": 0.5,
+                    "active_prefill_tokens_threshold": None,
+                    "active_prefill_tokens_threshold_frac": None,
+                },
+                "workers": 2,
+                "overloaded": False,
+                "router_queue_depth": 0,
+            }
+        ]
+        by_id = {w["worker_id"]: w for w in body["workers"]}
+        assert by_id["w1"]["display_state"] == "busy"
+        assert by_id["w1"]["ranks"][0]["fired"] == "active_decode_blocks_threshold"
+        assert by_id["w1"]["ranks"][0]["busy_limits"]["active_decode_blocks_threshold"] == 50
+        assert by_id["w2"]["display_state"] == "free"
+        page = await client.get("/status")
+        assert page.status == 200
+        assert page.content_type == "text/html"
+        html = await page.text()
+        # Air-gapped and read-only: nothing loaded from elsewhere, no form, no write call.
+        assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+        assert "https://" not in html
+        assert "<form" not in html.lower()
+        assert "POST" not in html and "method:" not in html
+        root = await client.get("/", allow_redirects=False)
+        assert (root.status, root.headers["Location"]) == (302, "/status")
+        # The write stays guarded exactly as before.
+        write = await client.post("/busy_threshold", json={"model": "m"})
+        assert write.status == 401
+
+
+async def test_every_worker_busy_marks_the_model_rejecting_and_stale_load_shows() -> None:
+    now = [1000.0]
+    pool = WorkerPool(BusyThresholds(active_decode_blocks=0.5), worker_ttl=60, clock=lambda: now[0])
+    pool.announce("w1", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("w1", active_decode_blocks=9)
+    app = build_app(pool, Metrics(), Readiness())
+    async with TestClient(TestServer(app)) as client:
+        body = await (await client.get("/status.json")).json()
+        assert body["models"][0]["overloaded"] is True
+        now[0] += 30  # no load event for 30 s: past the 5 s staleness bound
+        body = await (await client.get("/status.json")).json()
+        worker = body["workers"][0]
+        assert worker["display_state"] == "stale"
+        assert worker["display_why"].startswith("no load events for 30 s")
+
+
+async def test_metrics_carry_busy_limits_model_states_and_load_age() -> None:
+    pool = _pool()
+    pool.announce("w3", model="m", endpoint="127.0.0.1:3")
+    metrics = Metrics()
+    metrics.attach(pool)
+    async with TestClient(TestServer(build_app(pool, metrics, Readiness()))) as client:
+        text = await (await client.get("/metrics")).text()
+    lines = set(text.splitlines())
+    limit = 'extproc_worker_busy_limit{check="active_decode_blocks_threshold",dp_rank="0"'
+    assert f'{limit},worker_id="w1",worker_type="decode"}} 50.0' in lines
+    assert not any('worker_id="w3"' in x for x in lines if x.startswith(limit))  # no kv total
+    assert 'extproc_model_workers{model="m",state="busy"} 1.0' in lines
+    assert 'extproc_model_workers{model="m",state="free"} 2.0' in lines
+    assert 'extproc_model_workers{model="m",state="overloaded"} 0.0' in lines
+    assert 'extproc_worker_load_age_seconds{model="m",worker_id="w3"} +Inf' in lines
+
+
+# ----- the rendered page in a real browser ------------------------------------------------
+
+
+@pytest.fixture
+def browser() -> Any:
+    """Function-scoped: Playwright's sync API runs an event loop, which must be gone before
+    the module's async tests run."""
+    if not os.path.exists(CHROMIUM):
+        print(f"SKIP reason: {CHROMIUM} not found (apt-get install chromium)")
+        pytest.skip(f"{CHROMIUM} not found: apt-get install chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("SKIP reason: playwright is not installed (pip install -e '.[test]')")
+        pytest.skip("playwright is not installed: pip install -e '.[test]'")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def stack(make_stack: Any) -> Stack:
+    return make_stack(["--active-decode-blocks-threshold", "0.5", "--worker-ttl", "30"])
+
+
+def _send(url: str, model: str, count: int) -> list[int]:
+    return [http("POST", url + CHAT, chat(model), timeout=5)[0] for _ in range(count)]
+
+
+@pytest.mark.slow
+def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
+    stack: Stack, browser: Any, tmp_path: Path
+) -> None:
+    pub, ext, url = stack.pub, stack.ext, stack.envoy.url
+    wait_until(stack.envoy.ready, 15, "envoy ready")
+    pub.announce(ext, "gpu-a", "llama", stack.endpoint("a"), kv_total_blocks=100)
+    pub.announce(ext, "gpu-b", "llama", stack.endpoint("b"), kv_total_blocks=100)
+    pub.load("gpu-a", active_decode_blocks=90, active_prefill_tokens=12)
+    pub.load("gpu-b", active_decode_blocks=20)
+    wait_until(lambda: ext.workers()["gpu-a"]["state"] == "busy", 10, "gpu-a busy")
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    def on_console(msg: Any) -> None:
+        if msg.type == "error":
+            errors.append(msg.text)
+
+    page.on("console", on_console)
+    requested: list[str] = []
+    page.on("request", lambda req: requested.append(req.url))
+    page.goto(ext.admin + "/status")
+    # Fresh load reports: data older than 5 s shows as stale, and starting a browser can be slow.
+    pub.load("gpu-a", active_decode_blocks=90, active_prefill_tokens=12)
+    pub.load("gpu-b", active_decode_blocks=20)
+    row = page.locator('tr.worker[data-worker-id="gpu-a"]')
+    row.wait_for(timeout=10_000)
+    page.wait_for_function(
+        "document.querySelector('tr.worker[data-worker-id=\"gpu-a\"]')?.dataset.state === 'busy'",
+        timeout=10_000,
+    )
+    assert row.locator(".state").inner_text() == "busy"
+    assert "active_decode_blocks_threshold" in row.locator(".why").inner_text()
+    assert "90 / 50" in row.inner_text()  # effective decode blocks against the limit
+    free_row = page.locator('tr.worker[data-worker-id="gpu-b"]')
+    assert free_row.get_attribute("data-state") == "free"
+
+    # Traffic with one worker free: routed, nothing rejected.
+    assert set(_send(url, "llama", 10)) == {200}
+    before = int(page.locator("#chart").get_attribute("data-rejected-total") or "0")
+    # Every worker busy: overload replies, and the chart's rejections must grow.
+    pub.load("gpu-b", active_decode_blocks=95)
+    wait_until(lambda: ext.workers()["gpu-b"]["state"] == "busy", 10, "gpu-b busy")
+    statuses = _send(url, "llama", 25)
+    assert statuses.count(529) == 25, statuses
+    page.wait_for_function(
+        f"+document.getElementById('chart').dataset.rejectedTotal >= {before + 25}",
+        timeout=10_000,
+    )
+    assert page.locator("#chart rect.o-overloaded").count() >= 1
+    page.wait_for_function(
+        "document.querySelector('#models tr[data-model=\"llama\"]')"
+        "?.innerText.includes('rejecting')",
+        timeout=5_000,
+    )
+    assert int(page.locator("#rejected-last-minute").inner_text()) >= 25
+    assert get_json(ext.admin + "/status.json")["models"][0]["overloaded"] is True
+
+    # A screenshot with both states and some history on it.
+    pub.load("gpu-a", active_decode_blocks=90, active_prefill_tokens=12)
+    pub.load("gpu-b", active_decode_blocks=30)
+    wait_until(lambda: ext.workers()["gpu-b"]["state"] == "free", 10, "gpu-b free")
+    _send(url, "llama", 15)
+    page.wait_for_function(
+        "document.querySelector('tr.worker[data-worker-id=\"gpu-b\"]')?.dataset.state === 'free'",
+        timeout=5_000,
+    )
+    shot = tmp_path / "status-page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOT") == "1":
+        shutil.copy(shot, ROOT / "docs" / "status-page.png")
+    assert not errors, errors
+    # Nothing but the page and its JSON: works air-gapped.
+    assert {u.split("?")[0] for u in requested} <= {
+        ext.admin + "/status",
+        ext.admin + "/status.json",
+    }, requested
+    page.close()

@@ -1,0 +1,380 @@
+"""deploy/: the alert rules (promtool), the Grafana dashboard and its provisioning, and both
+checked against a real Prometheus (Debian's package) scraping the real stack.
+
+The live test runs Prometheus on loopback with a 1 s scrape interval and a copy of the
+alert rules whose ``for:`` durations are cut to 2 s (the shipped file's are minutes), drives
+traffic through Envoy, forces every worker busy (``POST /busy_threshold`` with
+``active_decode_blocks_threshold`` 0.0 while every worker reports load), then evaluates every
+dashboard query and every alert expression through the HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.devstack import ROOT, Proc, free_port, get_json, http, wait_until
+from tests.conftest import Stack
+
+DEPLOY = ROOT / "deploy"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "extproc.json"
+COMPOSE = ROOT / "docker-compose.yml"
+CHAT = "/v1/chat/completions"
+MODEL = "llama"
+# Metric names in PromQL: ours, Dynamo's, Envoy's, and Prometheus' own ``up``; a name
+# followed by a matcher operator is a label, not a metric.
+SELECTOR = re.compile(r"\b((?:extproc|dynamo|envoy)_[A-Za-z0-9_]+|up)\b(?!\s*[=!~])(\{[^}]*\})?")
+OUTER_BY = re.compile(r"\s*\w+\s+by\s*\(([^)]*)\)")
+# Series that exist only while something happens; their names are still checked against
+# the extproc's /metrics (``# TYPE`` lines exist from startup).
+ONLY_WHILE_ACTIVE = {"extproc_router_queue_depth"}
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} not found (Debian: apt-get install prometheus)"
+        print(f"SKIP reason: {reason}")
+        pytest.skip(reason)
+    return path
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expr) of every panel target, rows' nested panels included."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    stack = list(dash["panels"])
+    while stack:
+        panel = stack.pop(0)
+        stack.extend(panel.get("panels", []))
+        for target in panel.get("targets", []):
+            out.append((panel["title"], target["expr"]))
+    return out
+
+
+def _substitute(expr: str, rate_interval: str = "1m") -> str:
+    """The dashboard's template variables as Grafana would fill them ("All" models)."""
+    return expr.replace("$__rate_interval", rate_interval).replace("$model", ".*")
+
+
+# ----- promtool ----------------------------------------------------------------------------
+
+
+def test_alert_rules_pass_promtool_check() -> None:
+    proc = subprocess.run(
+        [_tool("promtool"), "check", "rules", str(ALERTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(_alert_rules())} rules found" in proc.stdout
+
+
+def test_every_alert_has_a_unit_test_file_with_a_firing_and_a_quiet_case() -> None:
+    tested: dict[str, list[dict[str, Any]]] = {}
+    for path in RULE_TESTS:
+        doc = yaml.safe_load(path.read_text())
+        for case in doc["tests"]:
+            for check in case.get("alert_rule_test", []):
+                tested.setdefault(check["alertname"], []).append(check)
+    for rule in _alert_rules():
+        checks = tested.get(rule["alert"])
+        assert checks, f"no promtool test for alert {rule['alert']}"
+        assert any(c["exp_alerts"] for c in checks), f"{rule['alert']}: never expected to fire"
+        assert any(not c["exp_alerts"] for c in checks), f"{rule['alert']}: no quiet case"
+
+
+@pytest.mark.parametrize("path", RULE_TESTS, ids=[p.name for p in RULE_TESTS])
+def test_alert_unit_tests(path: Path) -> None:
+    proc = subprocess.run(
+        [_tool("promtool"), "test", "rules", path.name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=path.parent,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----- dashboard and compose wiring --------------------------------------------------------
+
+
+def test_dashboard_is_provisioned_from_the_repo_files() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dash["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"], f"panel {panel['title']!r} has no query"
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    used = {m for _, e in _dashboard_queries() for m in re.findall(r"\$(\w+)", e)}
+    assert used <= variables | {"__rate_interval"}, used - variables
+    titles = " / ".join(p["title"].lower() for p in dash["panels"])
+    for subject in (
+        "rejections per model and endpoint",
+        "decisions by outcome",
+        "decision latency",
+        "effective load / limit",
+        "events dropped",
+        "workers by state",
+        "router queue depth",
+        "router queue wait",
+    ):
+        assert subject in titles, subject
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observability"]
+        for volume in services[name]["volumes"]:
+            source = volume.split(":", 1)[0]
+            assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
+    datasource = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["type"] == "prometheus"
+    prom_cfg = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    assert prom_cfg["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert (
+        "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro"
+        in (services["prometheus"]["volumes"])
+    )
+
+
+def test_compose_config_is_valid_with_the_observability_profile() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        print("SKIP reason: docker-compose not installed")
+        pytest.skip("docker-compose not installed (Debian: apt-get install -y docker-compose)")
+    for extra in ([], ["--profile", "observability"]):
+        proc = subprocess.run(
+            [binary, "-f", str(COMPOSE), *extra, "config", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, (extra, proc.stdout + proc.stderr)
+
+
+# ----- a real Prometheus against the real stack --------------------------------------------
+
+
+class Prometheus:
+    """Debian's prometheus on 127.0.0.1 with a temp TSDB, stopped by PID."""
+
+    def __init__(self, workdir: Path, scrape: dict[str, str], rules: Path) -> None:
+        self.port = free_port()
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [
+                {
+                    "job_name": job,
+                    "metrics_path": urllib.parse.urlsplit(url).path,
+                    "static_configs": [{"targets": [urllib.parse.urlsplit(url).netloc]}],
+                }
+                for job, url in scrape.items()
+            ],
+        }
+        cfg = workdir / "prometheus.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        self.proc = Proc(
+            "prometheus",
+            [
+                _tool("prometheus"),
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            workdir,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        assert self.proc.alive(), self.proc.log()[-2000:]
+        return http("GET", self.url + "/-/ready", timeout=1)[0] == 200
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        status, _, body = http(
+            "GET", self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        )
+        doc = json.loads(body)
+        assert status == 200 and doc["status"] == "success", (expr, status, doc)
+        return doc["data"]["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
+
+    def stop(self) -> int | None:
+        return self.proc.stop()
+
+
+def _exposed_names(text: str) -> set[str]:
+    """Sample names and ``# TYPE`` names (series that exist only while active) in a scrape."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{\s]", line, maxsplit=1)[0])
+    return names
+
+
+def _fast_rules(dest: Path) -> Path:
+    """The shipped rules with every ``for:`` cut to 2 s, so a test can see them fire."""
+    doc = yaml.safe_load(ALERTS.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = "2s"
+    path = dest / "alerts-fast.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(make_stack: Any) -> Stack:
+    return make_stack(
+        [
+            "--active-decode-blocks-threshold",
+            "0.5",
+            "--active-prefill-tokens-threshold",
+            "1000",
+            "--active-prefill-tokens-threshold-frac",
+            "1.0",
+            "--worker-ttl",
+            "30",
+        ]
+    )
+
+
+def _send(url: str, count: int) -> list[int]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return [http("POST", url + CHAT, body, timeout=5)[0] for _ in range(count)]
+
+
+def _firing(prom: Prometheus, name: str) -> list[dict[str, Any]]:
+    return [a for a in prom.alerts() if a["labels"]["alertname"] == name]
+
+
+@pytest.mark.slow
+def test_dashboard_queries_and_alerts_against_a_real_prometheus(
+    stack: Stack, tmp_path: Path
+) -> None:
+    _tool("prometheus")
+    started = time.monotonic()
+    pub, ext, url = stack.pub, stack.ext, stack.envoy.url
+    wait_until(stack.envoy.ready, 15, "envoy ready")
+    prom = Prometheus(
+        tmp_path,
+        {
+            "extproc": ext.admin + "/metrics",
+            "envoy": f"http://127.0.0.1:{stack.envoy.admin_port}/stats/prometheus",
+        },
+        _fast_rules(tmp_path),
+    )
+    try:
+        wait_until(prom.ready, 20, "prometheus ready")
+        for worker, name in (("gpu-a", "a"), ("gpu-b", "b")):
+            pub.announce(
+                ext,
+                worker,
+                MODEL,
+                stack.endpoint(name),
+                kv_total_blocks=100,
+                max_num_batched_tokens=64,
+            )
+            pub.load(worker, active_decode_blocks=10, active_prefill_tokens=5)
+        pub.send("load", b"\xc1")  # dropped: bad_encoding
+        assert set(_send(url, 20)) == {200}
+
+        # Every worker busy: decode threshold 0.0 while each reports 10 blocks in use.
+        status, _, body = http(
+            "POST",
+            ext.admin + "/busy_threshold",
+            {"model": MODEL, "active_decode_blocks_threshold": 0.0},
+        )
+        assert status == 200, body
+        wait_until(lambda: ext.workers()["gpu-b"]["state"] == "busy", 10, "every worker busy")
+        assert all(w["state"] == "busy" for w in ext.workers().values())
+        assert _send(url, 20) == [529] * 20
+
+        def scraped() -> bool:
+            got = prom.query('extproc_decisions_total{outcome="overloaded"} >= 20')
+            return bool(got) and bool(prom.query("envoy_http_ext_proc_streams_started > 0"))
+
+        wait_until(scraped, 15, "Prometheus has scraped the rejections")
+
+        def all_busy_fires() -> list[dict[str, Any]]:
+            return [a for a in _firing(prom, "ExtprocAllWorkersBusy") if a["state"] == "firing"]
+
+        fired = wait_until(all_busy_fires, 20, "ExtprocAllWorkersBusy firing")
+        assert fired[0]["labels"]["model"] == MODEL
+        # The dropped event fires its alert too; nothing made Envoy fail open.
+        wait_until(lambda: _firing(prom, "ExtprocEventsDropped"), 10, "ExtprocEventsDropped")
+        assert _firing(prom, "ExtprocEventsDropped")[0]["labels"]["reason"] == "bad_encoding"
+        assert not _firing(prom, "ExtprocFailingOpen")
+
+        exposed = _exposed_names(
+            ext.metrics()
+            + http("GET", f"http://127.0.0.1:{stack.envoy.admin_port}/stats/prometheus")[2].decode()
+        )
+        # Every dashboard query returns series, each carrying its by-labels.
+        problems = []
+        for title, raw in _dashboard_queries():
+            expr = _substitute(raw)
+            names = {m.group(1) for m in SELECTOR.finditer(expr)}
+            assert names, (title, expr)
+            for name in names:
+                if name != "up" and name not in exposed:
+                    problems.append(f"{title}: {name} is not exposed")
+            if names & ONLY_WHILE_ACTIVE:
+                prom.query(expr)  # must still parse and evaluate
+                continue
+            result = prom.query(expr)
+            if not result:
+                problems.append(f"{title}: no series for {expr}")
+            outer = OUTER_BY.match(expr)  # sum by (a, b) (...): each series has a and b
+            wanted = {x.strip() for x in outer.group(1).split(",")} if outer else set()
+            for series in result:
+                missing = wanted - set(series["metric"])
+                if missing:
+                    problems.append(f"{title}: series without {missing}: {series}")
+        assert not problems, "\n".join(problems)
+        values = get_json(prom.url + "/api/v1/label/model/values?match[]=extproc_model_workers")[
+            "data"
+        ]
+        assert MODEL in values  # the dashboard's $model variable
+
+        # Every alert expression evaluates, and each selector in it matches series.
+        for rule in _alert_rules():
+            prom.query(rule["expr"])
+            for match in SELECTOR.finditer(rule["expr"]):
+                selector = match.group(0)
+                assert prom.query(f"count({selector})"), (rule["alert"], selector)
+    finally:
+        prom.stop()
+    assert time.monotonic() - started < 60
