@@ -15,15 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
+from extproc.admin.routes import BodyUnreadable, add_read_write, json_error, read_body
 from extproc.admin.thresholds import ThresholdUpdateError, decode_body
 from extproc.core.classes import ClassConfigError, ClassRegistry
 
 PATH = "/classes"
-ALLOW = "GET, HEAD, POST"
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
 
 
 def table_view(registry: ClassRegistry) -> dict[str, Any]:
@@ -45,33 +41,24 @@ def add_routes(app: web.Application, registry: ClassRegistry) -> None:
 
     async def post(request: web.Request) -> web.Response:
         try:
-            body = decode_body(request.headers.get("Content-Type"), await request.read())
+            body = decode_body(request.headers.get("Content-Type"), await read_body(request))
+        except BodyUnreadable as exc:
+            return exc.response
         except ThresholdUpdateError as exc:
-            return _error(exc.status, exc.message)
+            return json_error(exc.status, exc.message)
         if not isinstance(body, dict):
-            return _error(422, f"request body must be a JSON object, got {type(body).__name__}")
+            return json_error(422, f"request body must be a JSON object, got {type(body).__name__}")
         name = body.get("name")
         if not isinstance(name, str):
-            return _error(422, f"name: {name!r} is not a class name (a string)")
+            return json_error(422, f"name: {name!r} is not a class name (a string)")
         changes = {k: v for k, v in body.items() if k != "name"}
         try:
             updated = registry.update_class(name, changes)
         except KeyError:
             names = ", ".join(c.name for c in registry.table.classes)
-            return _error(404, f"class {name!r} is not configured; classes: {names}")
+            return json_error(404, f"class {name!r} is not configured; classes: {names}")
         except ClassConfigError as exc:
-            return _error(422, str(exc))
+            return json_error(422, str(exc))
         return web.json_response(updated.as_dict())
 
-    async def not_allowed(request: web.Request) -> web.Response:
-        return _error(
-            405,
-            f"method {request.method} is not allowed on {PATH}; allowed: {ALLOW}",
-            {"Allow": ALLOW},
-        )
-
-    resource = app.router.add_resource(PATH)
-    resource.add_route("GET", get)
-    resource.add_route("HEAD", get)
-    resource.add_route("POST", post)
-    resource.add_route("*", not_allowed)
+    add_read_write(app, PATH, get, post)

@@ -31,6 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
+from extproc.admin.routes import BodyUnreadable, add_read_write, json_error, read_body
 from extproc.core.busy import (
     DECODE,
     MAX_TOKEN_THRESHOLD,
@@ -42,7 +43,6 @@ from extproc.core.busy import (
 from extproc.core.pool import WorkerPool
 
 PATH = "/busy_threshold"
-ALLOW = "GET, HEAD, POST"
 DISABLE = "disable"
 _FIELD_FOR = {
     DECODE: "active_decode_blocks",
@@ -228,10 +228,6 @@ def apply_update(pool: WorkerPool, update: ThresholdUpdate) -> BusyThresholds:
     return new
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
-
-
 def add_routes(app: web.Application, pool: WorkerPool) -> None:
     """Register GET/HEAD/POST ``/busy_threshold``; other methods get 405 with ``Allow``."""
 
@@ -242,30 +238,14 @@ def add_routes(app: web.Application, pool: WorkerPool) -> None:
 
     async def post(request: web.Request) -> web.Response:
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            return _error(413, f"request body too large: {exc.text}")
-        except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip, body is not
-            reason = str(exc).split("message:", 1)[-1].strip()
-            response = _error(400, f"request body cannot be read: {reason}")
-            response.force_close()  # the rest of the body cannot be read either
-            return response
+            raw = await read_body(request)
+        except BodyUnreadable as exc:
+            return exc.response
         try:
             update = parse_threshold_update(decode_body(request.headers.get("Content-Type"), raw))
             thresholds = apply_update(pool, update)
         except ThresholdUpdateError as exc:
-            return _error(exc.status, exc.message)
+            return json_error(exc.status, exc.message)
         return web.json_response(entry(update.model, thresholds))
 
-    async def not_allowed(request: web.Request) -> web.Response:
-        return _error(
-            405,
-            f"method {request.method} is not allowed on {PATH}; allowed: {ALLOW}",
-            {"Allow": ALLOW},
-        )
-
-    resource = app.router.add_resource(PATH)
-    resource.add_route("GET", get)
-    resource.add_route("HEAD", get)  # aiohttp sends the headers only
-    resource.add_route("POST", post)
-    resource.add_route("*", not_allowed)
+    add_read_write(app, PATH, get, post)

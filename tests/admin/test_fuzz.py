@@ -260,6 +260,22 @@ async def _post(
         return resp.status, json.loads(await resp.read())
 
 
+def _decodes(encoding: str, raw: bytes) -> bool:
+    """Whether ``raw`` happens to be valid ``encoding`` data (as aiohttp would read it)."""
+    attempts = {
+        "gzip": [lambda: gzip.decompress(raw)],
+        "deflate": [lambda: zlib.decompress(raw), lambda: zlib.decompress(raw, -15)],
+        "br": [lambda: brotli.decompress(raw)],
+    }[encoding]
+    for attempt in attempts:
+        try:
+            attempt()
+            return True
+        except Exception:
+            continue
+    return False
+
+
 async def test_fuzzed_posts_never_5xx_and_4xx_change_nothing(
     admin: tuple[WorkerPool, aiohttp.ClientSession, str],
 ) -> None:
@@ -269,12 +285,16 @@ async def test_fuzzed_posts_never_5xx_and_4xx_change_nothing(
     for ct, raw, ce in cases:
         before = _state(pool)
         wire = raw if ce is None or not ce[1] else _compress(ce[0], raw)
-        bad_encoding = ce is not None and not ce[1] and bool(raw)
+        # Not compressed, yet claiming an encoding; a few short bodies are valid streams of
+        # it by chance (brotli especially), and those the server reads.
+        bad_encoding = ce is not None and not ce[1] and bool(raw) and not _decodes(ce[0], raw)
         status, payload = await _post(client, url, ct, wire, ce and ce[0], plain_400=bad_encoding)
         seen[status] = seen.get(status, 0) + 1
         assert 200 <= status < 500, (status, payload, ct, raw[:200])
         if bad_encoding:  # not in the encoding it claims
-            assert status == 400 and "cannot be read" in payload["error"], payload
+            # Usually a 400 "cannot be read"; a streaming decoder may instead hand over what
+            # it made of the bytes (aiohttp with brotli), which the validators then refuse.
+            assert 400 <= status < 500 and payload.get("error"), payload
             assert _state(pool) == before
             continue
         if len(raw) > 1024**2:
