@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas clean
+.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas soak clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +46,10 @@ bench-events: $(STAMP) ## Event-plane benchmark: ingest rate, and requests with/
 
 bench-replicas: $(STAMP) ## One replica vs two (with and without sharing) on the same burst
 	$(PY) -m loadtest.replicas $(ARGS)
+
+SOAK_SECONDS ?= 600
+soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
+	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
