@@ -47,6 +47,7 @@ from extproc.devstack import (
 from tests.conftest import Stack
 
 TIMEOUT = 10.0  # per request: every request must end within it
+TAIL = 1.0  # seconds of load after a fault is over
 OVERLOADED = {"message": "Service temporarily overloaded", "type": "Overloaded", "code": 529}
 
 # What the clients may see, per row (docs/faults.md has the same table in words).
@@ -128,16 +129,21 @@ async def load(
     seconds: float,
     headers: dict[str, str] | None = None,
     stream_share: int = 2,
+    until: dict[str, float] | None = None,
 ) -> list[Result]:
     """``clients`` loops of requests (every ``stream_share``-th one streamed) for
-    ``seconds``; bounded by count too."""
+    ``seconds``, or until ``until["t"]`` when that is later (at most 60 s); bounded by
+    count too."""
     results: list[Result] = []
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    until = until if until is not None else {}
+    until.setdefault("t", start + seconds)
 
     async def client(i: int) -> None:
         async with aiohttp.ClientSession() as session:
             for n in range(2000):
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= max(start + seconds, until["t"]) or now >= start + 60:
                     return
                 kind = "stream" if (n + i) % stream_share == 0 else "chat"
                 results.append(await one(session, url, kind, body, headers or {}))
@@ -149,8 +155,17 @@ async def load(
 async def with_fault(
     url: str, body: dict[str, Any], fault: Callable[[], Awaitable[None]], **kw: Any
 ) -> list[Result]:
-    """The load and, at the same time, ``fault`` (it may block in threads)."""
-    results, _ = await asyncio.gather(load(url, body, **kw), fault())
+    """The load and, at the same time, ``fault`` (it may block in threads); the load
+    goes on for at least ``TAIL`` s after the fault is over."""
+    until = {"t": float("inf")}
+
+    async def then_tail() -> None:
+        try:
+            await fault()
+        finally:
+            until["t"] = time.monotonic() + TAIL
+
+    results, _ = await asyncio.gather(load(url, body, until=until, **kw), then_tail())
     return results
 
 
@@ -314,11 +329,14 @@ def test_extproc_sigkill_and_restart_fails_open(
     routed = decisions(s.ext)
     new = [r for r in results if r.started >= ready]
     print(f"{row}: the new extproc decided {routed} of the {len(new)} requests sent after ready")
-    # Every request after the kill either failed open in Envoy or got one decision from
-    # the new extproc: nothing was lost or counted twice.
+    # Every request sent after the kill either failed open in Envoy or got one decision
+    # from the new extproc (none lost, none counted twice); a request in flight at the
+    # kill failed open too unless its ext_proc stream had already ended (Envoy closes it
+    # after the response headers).
     allowed = grew.get("http.inference.ext_proc.failure_mode_allowed", 0)
-    assert allowed + routed == len(in_flight) + len(during) + len(new), (allowed, routed)
-    assert allowed >= len(in_flight) and routed > 0
+    after_kill = len(during) + len(new)
+    assert after_kill <= allowed + routed <= after_kill + len(in_flight), (allowed, routed)
+    assert new and routed > 0
     for _ in range(10):
         assert http("POST", s.url, chat(4))[0] == 200
     assert decisions(s.ext) == routed + 10
