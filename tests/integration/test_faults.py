@@ -295,6 +295,10 @@ def test_extproc_sigkill_and_restart_fails_open(
     row = "extproc_sigkill_restart"
     s = sim_stack(["--worker-ttl", "10"])
     assert s.envoy is not None
+    # A threshold set at run time (loose enough to reject nothing here).
+    status, _, _ = http("POST", s.ext.admin + "/busy_threshold",
+                        {"model": "m", "active_prefill_tokens_threshold": 10**6})  # fmt: skip
+    assert status == 200
     before = envoy_stats(s.envoy, "ext_proc")
     downtime: dict[str, float] = {}
 
@@ -341,6 +345,9 @@ def test_extproc_sigkill_and_restart_fails_open(
         assert http("POST", s.url, chat(4))[0] == 200
     assert decisions(s.ext) == routed + 10
     settle(s.ext)
+    # Runtime threshold changes live in the process: the new one starts from its flags.
+    (entry,) = get_json(s.ext.admin + "/busy_threshold")["thresholds"]
+    assert entry["active_prefill_tokens_threshold"] is None, entry
 
 
 # --- (b) a worker SIGKILLed while SSE streams are open -----------------------------------
