@@ -476,7 +476,7 @@ def test_event_flood_half_malformed(make_stack: Any, log_dir: Path) -> None:
     assert total == rate * seconds and sent["ok"] == total // 2
     achieved = total / flood["seconds"]
     print(f"{row}: {total} events in {flood['seconds']:.2f} s ({achieved:.0f}/s)")
-    assert achieved > rate * 0.7, achieved  # paced at 50,000/s (a loaded machine lags)
+    assert achieved > rate * 0.5, achieved  # paced at 50,000/s (a loaded machine lags)
     # Every event arrived (no HWM on the way) and was counted: well-formed by topic,
     # malformed by reason, exactly.
     malformed = {k: v for k, v in sent.items() if k != "ok"}
@@ -528,8 +528,12 @@ def test_silent_worker_expires_after_ttl(make_stack: Any) -> None:
     beat.start()
     times: dict[str, float] = {}
 
+    def busy_a() -> bool:
+        return bool(s.ext.workers()["a"]["ranks"][0]["router_estimate"]["requests_in_flight"])
+
     async def fault() -> None:
         await asyncio.sleep(1.0)
+        await asyncio.to_thread(wait_until, busy_a, 10, "a request in flight on a")
         speaking.discard("a")
         times["silent"] = time.monotonic()
         await asyncio.to_thread(
