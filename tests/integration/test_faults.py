@@ -310,7 +310,7 @@ def test_extproc_sigkill_and_restart_fails_open(
         await asyncio.sleep(1.5)
         downtime["killed"] = time.monotonic()
         s.ext.proc.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(s.ext.proc.popen.wait, 5)
+        assert await asyncio.to_thread(s.ext.stop) == -signal.SIGKILL
         await asyncio.sleep(0.5)  # requests keep coming while nothing listens
         # The same ports: Envoy's cluster and the engines' publishers find it again.
         s.ext = await asyncio.to_thread(Extproc, log_dir, s.args, ports=s.ext.ports)
