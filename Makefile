@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas bench-storm clean
+.PHONY: help install demo test test-unit lint format bench bench-events bench-replicas bench-storm soak clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -50,6 +50,10 @@ bench-replicas: $(STAMP) ## One replica vs two (with and without sharing) on the
 bench-storm: $(STAMP) ## Storm: 4,000 then 8,000 keep-alive clients, every worker busy (ARGS='--clients N')
 	@command -v wrk >/dev/null || { echo "wrk not found: apt-get install wrk"; exit 2; }
 	$(PY) -m loadtest.storm $(or $(ARGS),--clients 4000 8000 --duration 8)
+
+SOAK_SECONDS ?= 600
+soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
+	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
 .PHONY: loadtest overload compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
