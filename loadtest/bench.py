@@ -19,7 +19,7 @@ extproc and one Envoy each, all runs alternating).
 
     python loadtest/bench.py [--duration 5] [--rounds 3] [--response-phase SEND|SKIP]
                              [--grpc-server builtin grpcio] [--prompt-sizes short 64k 512k]
-                             [--busy-cases all model]
+                             [--busy-cases all model] [--request-path prefix exact]
 
 Needs ``wrk`` on PATH (Debian: apt-get install wrk).
 """
@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -153,13 +154,23 @@ def worker_config(ports: list[int], admin_port: int) -> dict[str, Any]:
     return {"admin": admin, "static_resources": {"listeners": listeners}}
 
 
-def add_direct_listener(port: int, response_phase: str | None) -> Any:
+LUA_FILTER = "envoy.filters.http.lua"
+
+
+def add_direct_listener(port: int, response_phase: str | None, path: str = "prefix") -> Any:
+    """Add the ``direct`` listener (router only); ``path`` ``exact`` drops the prefix reader
+    from the extproc listener and buffers every body (the request path before it)."""
+
     def tweak(cfg: dict[str, Any]) -> None:
         listeners = cfg["static_resources"]["listeners"]
         main = listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
+        if path == "exact":
+            main["http_filters"] = [f for f in main["http_filters"] if f["name"] != LUA_FILTER]
         for f in main["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_proc" and response_phase:
                 f["typed_config"]["processing_mode"]["response_header_mode"] = response_phase
+            if f["name"] == "envoy.filters.http.ext_proc" and path == "exact":
+                f["typed_config"]["processing_mode"]["request_body_mode"] = "BUFFERED"
         direct = copy.deepcopy(listeners[0])
         direct["name"] = "direct"
         direct["address"]["socket_address"]["port_value"] = port
@@ -233,8 +244,73 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _label(kind: str, servers: list[str]) -> str:
-    return "extproc" if len(servers) == 1 else f"extproc ({kind})"
+def profile_run(out: Path, pids: list[int], run: Any) -> None:
+    """Profile Envoy (perf, ``pids[0]``) and the extproc (py-spy, ``pids[1]``) during ``run``.
+
+    Writes ``out``-envoy.txt (perf report, self time by symbol) and ``out``-extproc.txt
+    (py-spy's collapsed stacks: self samples by function, then whole stacks)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    tools = []
+    perf_data = out.with_suffix(".perf.data")
+    if shutil.which("perf"):
+        tools.append(
+            subprocess.Popen(
+                [
+                    "perf",
+                    "record",
+                    "-q",
+                    "-F",
+                    "999",
+                    "-g",
+                    "-p",
+                    str(pids[0]),
+                    "-o",
+                    str(perf_data),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    collapsed = out.with_suffix(".collapsed")
+    if Path(spy).exists():
+        tools.append(
+            subprocess.Popen(
+                [spy, "record", "-r", "200", "-p", str(pids[1]), "-f", "raw", "-o", str(collapsed)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    time.sleep(1.0)  # both attached
+    result = run()
+    for t in tools:
+        t.send_signal(signal.SIGINT)
+    for t in tools:
+        t.wait(30)
+    if perf_data.exists():
+        report = subprocess.run(
+            ["perf", "report", "-i", str(perf_data), "--no-children", "--stdio", "-g", "none",
+             "--sort", "dso,symbol", "--percent-limit", "0.7"],
+            capture_output=True, text=True, timeout=120,
+        ).stdout  # fmt: skip
+        Path(f"{out}-envoy.txt").write_text(f"run: {result}\n{report}")
+        perf_data.unlink()
+    if collapsed.exists():
+        self_time: dict[str, int] = {}
+        total = 0
+        lines = collapsed.read_text().splitlines()
+        for line in lines:
+            stack, _, n = line.rpartition(" ")
+            total += int(n)
+            leaf = stack.rsplit(";", 1)[-1]
+            self_time[leaf] = self_time.get(leaf, 0) + int(n)
+        top = sorted(self_time.items(), key=lambda kv: -kv[1])[:30]
+        text = "\n".join(f"{n * 100 / max(total, 1):5.1f}%  {leaf}" for leaf, n in top)
+        Path(f"{out}-extproc.txt").write_text(f"run: {result}\nself time by function:\n{text}\n")
+
+
+def _label(kind: str, servers: list[str], path: str, paths: list[str]) -> str:
+    parts = ([kind] if len(servers) > 1 else []) + ([path] if len(paths) > 1 else [])
+    return f"extproc ({', '.join(parts)})" if parts else "extproc"
 
 
 def main() -> int:
@@ -278,11 +354,28 @@ def main() -> int:
         help="the extproc's gRPC server(s); several are measured side by side in one run",
     )
     parser.add_argument(
+        "--request-path",
+        nargs="+",
+        choices=["prefix", "exact"],
+        default=["prefix"],
+        help="prefix: the config as is (decided on the request headers when the body starts "
+        "with model); exact: without the prefix reader, every body buffered and sent to the "
+        "extproc. Several are measured side by side (one extproc and Envoy each)",
+    )
+    parser.add_argument(
         "--extproc-arg",
         action="append",
         default=[],
         metavar="ARG",
         help="extra extproc command-line argument (repeat), e.g. --extproc-arg=--tokenizer=...",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after the runs, profile one c=32 run per prompt size: the extproc with py-spy "
+        "(pip install py-spy) and Envoy with perf (Debian: linux-perf); summaries in DIR",
     )
     args = parser.parse_args()
     if not shutil.which("wrk"):
@@ -325,7 +418,9 @@ def main() -> int:
         # The processes whose CPU a run through that path costs: its Envoy, its extproc.
         pids: dict[str, list[int]] = {}
         pubs: list[tuple[Extproc, Publisher]] = []
-        for kind in servers:
+        combos = [(k, path) for k in servers for path in args.request_path]
+        for kind, path in combos:
+            label = _label(kind, servers, path, args.request_path)
             ext = Extproc(
                 tmp,
                 [
@@ -341,13 +436,13 @@ def main() -> int:
                 ],
             )
             procs.append(ext)
-            exts[kind] = ext
+            exts[label] = ext
             direct_port = free_port()
             envoy = Envoy(
                 tmp,
                 ext,
                 [wport, busy_port],
-                tweak=add_direct_listener(direct_port, args.response_phase),
+                tweak=add_direct_listener(direct_port, args.response_phase, path),
                 source=config,
             )
             procs.append(envoy)
@@ -358,8 +453,8 @@ def main() -> int:
             if "direct" not in urls:
                 urls["direct"] = f"http://127.0.0.1:{direct_port}"
                 pids["direct"] = [envoy.proc.pid]
-            urls[_label(kind, servers)] = envoy.url
-            pids[_label(kind, servers)] = [envoy.proc.pid, ext.proc.pid]
+            urls[label] = envoy.url
+            pids[label] = [envoy.proc.pid, ext.proc.pid]
 
         def states_are(ext: Extproc, busy: set[str]) -> bool:
             states = ext.workers()
@@ -413,6 +508,21 @@ def main() -> int:
                         r = measured(name, busy_body, 32)
                         assert r["non2xx"] == r["total"], f"{name}: expected only 529s"
                         results.setdefault((label, case, 32, name), []).append(r)
+            set_busy({"busy-1"})
+
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            name = next(n for n in urls if n != "direct")
+            for size, label in zip(args.prompt_sizes, sizes, strict=True):
+                for case, model in (("ok", "bench"), ("all", "bench")):
+                    set_busy({"bench-1", "busy-1"} if case == "all" else {"busy-1"})
+                    profile_run(
+                        args.profile / f"{label}-{case}",
+                        pids[name],
+                        lambda model=model, size=size: run_wrk(
+                            urls[name], chat_body(model, size), 32, args.duration, tmp
+                        ),
+                    )
             set_busy({"busy-1"})
 
         def med(rs: list[dict[str, float]], key: str) -> float:
@@ -471,7 +581,7 @@ def main() -> int:
             counts = dict(
                 re.findall(r'^extproc_decisions_total\{outcome="(\w+)"\} (\S+)', decisions, re.M)
             )
-            print(f"\nextproc ({kind}) decisions: {counts}")
+            print(f"\n{kind} decisions: {counts}")
         return 0
     finally:
         for p in reversed(procs):
