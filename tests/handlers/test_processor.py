@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
-from extproc.handlers.processor import ExtProcHandler, RequestSession
+from extproc.handlers.processor import REQUEST_NAMESPACE, ExtProcHandler, RequestSession
 from extproc.handlers.replies import DESTINATION_HEADER, LB_NAMESPACE
 from extproc.metrics.registry import Metrics
 
@@ -37,14 +37,18 @@ def make(th: BusyThresholds = HALF, status: int = 529) -> ExtProcHandler:
     return ExtProcHandler(pool, Scheduler(pool), Metrics(), overload_status=status)
 
 
-def headers(path: str, method: str = "POST", end: bool = False, **extra: str) -> bytes:
+def headers(
+    path: str, method: str = "POST", end: bool = False, read: str | None = None, **extra: str
+) -> bytes:
+    """Request headers; ``read``: the model the prefix reader forwarded (None: no reader)."""
     pairs = {":path": path, ":method": method, **extra}
     hm = base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     )
-    return ep.ProcessingRequest(
-        request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end)
-    ).SerializeToString()
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end))
+    if read is not None:
+        req.metadata_context.filter_metadata[REQUEST_NAMESPACE].update({"model": read})
+    return req.SerializeToString()
 
 
 def body(payload: object | bytes) -> bytes:
@@ -71,9 +75,13 @@ def reply(session: RequestSession, message: bytes) -> ep.ProcessingResponse:
 
 
 def chat(handler: ExtProcHandler, model: str = "m", content: str = "hi") -> ep.ProcessingResponse:
+    """The reply that decides a chat request: on its headers if it can be, else on its body."""
     session = handler.open_session({})
     assert isinstance(session, RequestSession)
-    assert reply(session, headers(CHAT)).WhichOneof("response") == "request_headers"
+    first = reply(session, headers(CHAT))
+    if first.WhichOneof("response") == "immediate_response":
+        return first
+    assert first.WhichOneof("response") == "request_headers"
     return reply(session, body({"model": model, "messages": [{"content": content}]}))
 
 
@@ -191,3 +199,130 @@ def test_models_list_is_answered_from_discovered_models() -> None:
     status, _, payload = local(reply(session, headers("/v1/models", "GET")))
     assert status == 200
     assert [m["id"] for m in payload["data"]] == ["m1", "m2"]  # type: ignore[index]
+
+
+def test_no_worker_at_all_is_answered_on_the_headers() -> None:
+    handler = make()
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT))
+    assert local(resp)[0] == 503
+    assert counter(handler, "extproc_decisions_total", outcome="no_workers") == 1
+
+
+def test_every_worker_of_every_model_busy_is_answered_on_the_headers() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    session = handler.open_session({})
+    status, hdrs, payload = local(reply(session, headers(CHAT)))
+    assert (status, hdrs["retry-after"], payload["type"]) == (529, "1", "Overloaded")
+    # One model served: the rejection is counted under it.
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    # Several models, all busy: counted under "*" (the body was not read).
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    pool.report_load("b", active_decode_blocks=6)
+    status, _, _ = local(reply(handler.open_session({}), headers(CHAT)))
+    assert status == 529
+    labels = {"model": "*", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    assert counter(handler, "extproc_decisions_total", outcome="overloaded") == 2
+
+
+def test_a_free_worker_of_another_model_means_the_body_decides() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    session = handler.open_session({})
+    assert reply(session, headers(CHAT)).WhichOneof("response") == "request_headers"
+    resp = reply(session, body({"model": "m", "prompt": "hi"}))
+    assert local(resp)[0] == 529
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    # An overloaded mark (worker-side rejection) counts as not free too.
+    pool.mark_overloaded(pool.workers["b"])
+    assert local(reply(handler.open_session({}), headers(CHAT)))[0] == 529
+
+
+def trailers() -> bytes:
+    return ep.ProcessingRequest(response_trailers=ep.HttpTrailers()).SerializeToString()
+
+
+def test_model_read_from_the_body_prefix_is_decided_on_the_headers() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    resp = reply(session, headers(CHAT, read="m", **{"content-length": "401"}))
+    # The routing reply answers the headers message: the body never comes.
+    assert resp.WhichOneof("response") == "request_headers"
+    mutation = resp.request_headers.response.header_mutation
+    assert {h.header.key: h.header.raw_value for h in mutation.set_headers} == {
+        DESTINATION_HEADER: b"127.0.0.1:1",
+        "x-envoy-max-retries": b"0",
+    }
+    meta = resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert meta[DESTINATION_HEADER].string_value == "127.0.0.1:1"
+    rank = pool.workers["a"].ranks[0]
+    # Prompt tokens from the body size: ceil(401 / 4).
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (1, 101, 7)
+    # A streamed response: Envoy is asked for the trailers so that the stream (and the
+    # estimate) lasts until the response ends; the stream is recognised by its type.
+    resp = reply(session, response_headers(200, **{"content-type": "text/event-stream"}))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert resp.mode_override.response_trailer_mode == resp.mode_override.SEND
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (1, 0, 7)  # prefill over
+    reply(session, trailers())
+    assert (rank.inflight, rank.est_blocks) == (0, 0)
+    session.close()
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (0, 0, 0)
+
+
+def test_without_trailers_the_estimate_lasts_until_the_stream_closes() -> None:
+    handler = make()
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    reply(session, headers(CHAT, read="m", **{"content-length": "40"}))
+    rank = handler.pool.workers["a"].ranks[0]
+    reply(session, response_headers(200))
+    assert rank.inflight == 1  # the response goes on after its headers
+    session.close()  # the response ended or the client went away: Envoy ends the stream
+    assert rank.inflight == 0
+
+
+def test_decided_on_headers_a_busy_or_unknown_model_is_answered_there() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    length = {"content-length": "40"}
+    status, hdrs, _ = local(reply(handler.open_session({}), headers(CHAT, read="m", **length)))
+    assert (status, hdrs["retry-after"]) == (529, "1")
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    status, _, _ = local(reply(handler.open_session({}), headers(CHAT, read="x", **length)))
+    assert status == 404
+
+
+def test_no_model_in_the_prefix_means_the_body_decides_and_a_bad_body_is_400() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)  # every worker busy
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT, read="", **{"content-length": "1"}))
+    # Not decided on the headers, even with every worker busy: Envoy is asked for the
+    # buffered body, whatever the filter's configured body mode.
+    assert resp.WhichOneof("response") == "request_headers"
+    assert resp.mode_override.request_body_mode == resp.mode_override.BUFFERED
+    assert local(reply(session, body(b"{")))[0] == 400
+    # Without content-length (a chunked upload) the body decides too.
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT, read="m"))
+    assert resp.mode_override.request_body_mode == resp.mode_override.BUFFERED
+    assert local(reply(session, body({"model": "m", "prompt": "x"})))[0] == 529
