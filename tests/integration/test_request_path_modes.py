@@ -44,13 +44,17 @@ class _Path:
         self.pub = Publisher(self.ext.event_endpoint)
         self.pub.announce(self.ext, "pm-1", "pm", f"127.0.0.1:{worker_port}", kv_total_blocks=100)
 
-    def sent(self) -> int:
-        """ext_proc messages Envoy has sent so far (its own counter)."""
-        url = f"http://127.0.0.1:{self.envoy.admin_port}/stats?filter=ext_proc.stream_msgs_sent$"
+    def stat(self, name: str) -> int:
+        """One of Envoy's counters of the inference listener."""
+        url = f"http://127.0.0.1:{self.envoy.admin_port}/stats?filter=^http.inference.{name}$"
         text = http("GET", url)[2].decode()
-        name, _, value = text.strip().partition(": ")
-        assert name == "http.inference.ext_proc.stream_msgs_sent", text
+        got, _, value = text.strip().partition(": ")
+        assert got == f"http.inference.{name}", text
         return int(value)
+
+    def sent(self) -> int:
+        """ext_proc messages Envoy has sent so far."""
+        return self.stat("ext_proc.stream_msgs_sent")
 
     def messages_for(self, body: bytes | str) -> tuple[int, int]:
         """(status, messages Envoy sent the extproc) for one chat request."""
@@ -112,3 +116,14 @@ def test_without_the_prefix_reader_an_all_busy_pool_answers_on_the_headers(
     labels = {"model": "pm", "endpoint": "chat_completions"}
     assert metric_value(text, "dynamo_frontend_model_rejection_total", labels) == 2
     p.set_busy(False)
+
+
+def test_pass_through_bodies_are_not_read_by_the_prefix_reader(paths: dict[str, _Path]) -> None:
+    p = paths["prefix"]
+    runs = p.stat("lua.executions")
+    before = p.sent()
+    assert http("POST", p.envoy.url + "/v1/other", b"x" * 100_000)[0] == 200
+    assert p.sent() - before == 1  # the headers; the extproc lets it pass
+    assert p.stat("lua.executions") == runs
+    http("POST", p.envoy.url + CHAT, MODEL_FIRST.encode())
+    assert p.stat("lua.executions") == runs + 1
