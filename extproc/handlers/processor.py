@@ -1,11 +1,13 @@
 """The ext_proc handler: one session per stream (HTTP request), thin over the decision core.
 
 Flow for an inference request (POST /v1/chat/completions, /v1/completions,
-/v1/embeddings, /v1/responses): request headers (continue) -> buffered request
-body (parse, one :meth:`~extproc.core.scheduling.Scheduler.decide` call, map the
-decision to a pre-serialized reply) -> response headers (turn a worker-side
-rejection into the overload reply). The router's estimate for the request is
-released when the stream ends, whatever ended it.
+/v1/embeddings, /v1/responses), docs/request-path.md: request headers carrying the
+model read from the start of the body (``extproc.request`` metadata) -> one
+:meth:`~extproc.core.scheduling.Scheduler.decide` call, mapped to a pre-serialized
+reply; without it, the headers ask for the buffered body (parse, decide). Then the
+response headers (turn a worker-side rejection into the overload reply; ask for the
+trailers so the stream lasts as long as the response). The router's estimate for
+the request is released when the stream ends, whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
@@ -225,8 +227,8 @@ class ExtProcHandler:
             # Headers were not sent to us (per-route SKIP); nothing to decide on.
             return replies.CONTINUE_REQUEST_BODY
         if st.ticket is not None or st.model:
-            # Already decided on the headers (the exact-mode override raced a config
-            # that sends the body anyway): nothing more to decide.
+            # Already decided on the headers; a config whose request body mode is
+            # BUFFERED sends the body all the same: nothing more to decide.
             return replies.CONTINUE_REQUEST_BODY
         started = self.clock()
         try:
