@@ -237,7 +237,7 @@ def main() -> int:
     procs: list[Any] = []
     try:
         wport, wadmin = free_port(), free_port()
-        (tmp / "worker.json").write_text(json.dumps(worker_config(wport, wadmin)))
+        (tmp / "worker.json").write_text(json.dumps(worker_config([wport], wadmin)))
         worker = Proc(
             "worker-envoy",
             [envoy_binary(), "-c", str(tmp / "worker.json"), "--disable-hot-restart",

@@ -168,7 +168,7 @@ def storm(
     try:
         wport, wadmin = free_port(), free_port()
         wcfg = tmp / "worker.json"
-        wcfg.write_text(json.dumps(worker_config(wport, wadmin)))
+        wcfg.write_text(json.dumps(worker_config([wport], wadmin)))
         worker = Proc(
             "worker-envoy",
             [envoy_binary(), "-c", str(wcfg), "--disable-hot-restart", "--concurrency", "1",

@@ -1,11 +1,13 @@
 """The ext_proc handler: one session per stream (HTTP request), thin over the decision core.
 
 Flow for an inference request (POST /v1/chat/completions, /v1/completions,
-/v1/embeddings, /v1/responses): request headers (continue) -> buffered request
-body (parse, one :meth:`~extproc.core.scheduling.Scheduler.decide` call, map the
-decision to a pre-serialized reply) -> response headers (turn a worker-side
-rejection into the overload reply). The router's estimate for the request is
-released when the stream ends, whatever ended it.
+/v1/embeddings, /v1/responses), docs/request-path.md: request headers carrying the
+model read from the start of the body (``extproc.request`` metadata) -> one
+:meth:`~extproc.core.scheduling.Scheduler.decide` call, mapped to a pre-serialized
+reply; without it, the headers ask for the buffered body (parse, decide). Then the
+response headers (turn a worker-side rejection into the overload reply; ask for the
+trailers so the stream lasts as long as the response). The router's estimate for
+the request is released when the stream ends, whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
@@ -39,6 +41,12 @@ WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
 REQUEST_ID_HEADER = "x-request-id"
 # gRPC initial metadata of the observability-mode filter (counts output tokens only).
 ROLE_METADATA = "x-extproc-role"
+# The dynamic metadata namespace Envoy forwards with the request headers: ``model``, read
+# from the start of the body by a filter ahead of ext_proc (envoy/envoy.yaml).
+REQUEST_NAMESPACE = "extproc.request"
+# The model label of a rejection decided before the body named the model, when the pool
+# serves several models and every worker of every one is busy.
+ANY_MODEL = "*"
 # A reply now, or (first, rest): ``first`` now and the awaited ``rest`` after it.
 Reply = bytes | tuple[bytes, Awaitable[bytes]]
 
@@ -50,11 +58,20 @@ def _header_value(h: Any) -> str:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("endpoint_label", "model", "prompt_tokens", "request_id", "stream", "ticket")
+    __slots__ = (
+        "endpoint_label",
+        "model",
+        "phase",
+        "prompt_tokens",
+        "request_id",
+        "stream",
+        "ticket",
+    )
 
     def __init__(self) -> None:
         self.endpoint_label: str | None = None
         self.model = ""
+        self.phase = "request_body"
         self.prompt_tokens = 0
         self.request_id: str | None = None
         self.stream = False
@@ -107,11 +124,13 @@ class ExtProcHandler:
             if kind == "request_body":
                 return self._on_request_body(st, req.request_body)
             if kind == "request_headers":
-                return self._on_request_headers(st, req.request_headers)
+                return self._on_request_headers(st, req)
             if kind == "response_headers":
                 return self._on_response_headers(st, req.response_headers)
             if kind == "response_body":
                 return self._on_response_body(st, req.response_body)
+            if kind == "response_trailers" and st.ticket is not None:
+                self.pool.release(st.ticket)  # the response is over
             return replies.CONTINUES.get(kind or "", replies.CONTINUE_REQUEST_HEADERS)
         except Exception:
             log.exception("error handling ext_proc %s message", kind)
@@ -127,10 +146,11 @@ class ExtProcHandler:
 
     # ----- request phase ---------------------------------------------------------------
 
-    def _on_request_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
+    def _on_request_headers(self, st: _Stream, req: ep.ProcessingRequest) -> Reply:
         if st.ticket is not None:  # headers again after routing: one decision per stream
             return replies.CONTINUE_REQUEST_HEADERS
-        method = path = ""
+        msg = req.request_headers
+        method = path = length = ""
         for h in msg.headers.headers:
             key = h.key
             if key == ":path":
@@ -139,6 +159,8 @@ class ExtProcHandler:
                 method = _header_value(h)
             elif key == REQUEST_ID_HEADER:
                 st.request_id = _header_value(h)
+            elif key == "content-length":
+                length = _header_value(h)
         path = path.split("?", 1)[0]
         label = INFERENCE_PATHS.get(path) if method == "POST" else None
         if label is None:
@@ -149,26 +171,88 @@ class ExtProcHandler:
         st.endpoint_label = label
         if msg.end_of_stream:
             return self._bad_request("Request body is empty; expected a JSON object")
-        return replies.CONTINUE_REQUEST_HEADERS
+        meta = req.metadata_context.filter_metadata
+        if REQUEST_NAMESPACE in meta:
+            # The prefix reader ran: "model" is what it read ("" when the body does not
+            # start with it; then the body decides, so a malformed one is still a 400).
+            model = meta[REQUEST_NAMESPACE].fields.get("model")
+            name = model.string_value if model is not None else ""
+            if name and length.isdigit() and self.tokenizer is None:
+                # Decide now, the body stays in Envoy; prompt tokens are estimated from
+                # the body size.
+                tokens = -(-int(length) // 4)
+                return self._decide(st, name, tokens, "request_headers", self.clock())
+        else:
+            # No prefix reader (a config in the exact mode): answer now when the reply
+            # cannot depend on the body.
+            early = self._reject_any_model(st)
+            if early is not None:
+                return early
+        # The exact mode: Envoy buffers the body and sends it (the model is not known
+        # yet, or a tokenizer counts the prompt).
+        return replies.SEND_BODY
+
+    def _reject_any_model(self, st: _Stream) -> bytes | None:
+        """The reply when it cannot depend on the body, before Envoy sends the body.
+
+        No worker at all (503), or every worker of every model busy or overloaded (the
+        overload reply): whichever model the body names, the answer is the same, so it
+        is given on the request-headers message. The body is never read, so a malformed
+        one gets the overload reply rather than 400 (docs/request-path.md). The
+        rejection is counted under the pool's only model, or under ``*`` when the pool
+        serves several (the requested one is unknown without the body).
+        """
+        by_model = self.pool.by_model
+        if not by_model:
+            self.metrics.outcome["no_workers"].inc()
+            return replies.NO_WORKERS
+        now = self.pool.clock()
+        for workers in by_model.values():
+            for w in workers:
+                if not w.busy and now >= w.overloaded_until:
+                    return None
+        queue = self.queue
+        if queue is not None and any(queue.waiting(m) for m in by_model):
+            return None  # requests are waiting: FIFO keeps their order, decide on the body
+        if len(by_model) == 1:
+            st.model = model = next(iter(by_model))
+            retry_after = self.pool.retry_after(model)
+        else:
+            model = ANY_MODEL
+            retry_after = min(self.pool.retry_after(m) for m in by_model)
+        self.metrics.outcome["overloaded"].inc()
+        self.metrics.rejections.labels(model, st.endpoint_label or "").inc()
+        return self.replies.overloaded[retry_after]
 
     def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply:
         if st.endpoint_label is None or st.ticket is not None:
             # Headers were not sent to us (per-route SKIP): nothing to decide on; or the
             # request is already routed: one decision (and one estimate) per stream.
             return replies.CONTINUE_REQUEST_BODY
+        if st.ticket is not None or st.model:
+            # Already decided on the headers; a config whose request body mode is
+            # BUFFERED sends the body all the same: nothing more to decide.
+            return replies.CONTINUE_REQUEST_BODY
         started = self.clock()
         try:
             request = parse_body(msg.body, self.tokenizer)
         except BadRequest as exc:
             return self._bad_request(str(exc))
-        st.model = model = request.model
-        st.prompt_tokens = request.prompt_tokens
         st.stream = request.stream
+        return self._decide(st, request.model, request.prompt_tokens, "request_body", started)
+
+    def _decide(
+        self, st: _Stream, model: str, prompt_tokens: int, phase: str, started: float
+    ) -> Reply:
+        """Decide the request of ``model``, answering the message of ``phase``."""
+        st.model = model
+        st.prompt_tokens = prompt_tokens
+        st.phase = phase
         queue = self.queue
         if queue is not None and queue.waiting(model):
             decision: Decision = QUEUED  # FIFO: no overtaking the requests already waiting
         else:
-            decision = self.scheduler.decide(model, request.prompt_tokens)
+            decision = self.scheduler.decide(model, prompt_tokens)
         reply: Reply
         if type(decision) is Queued and queue is not None:
             reply = (self._extend_timeout, self._wait_in_queue(st))
@@ -201,7 +285,7 @@ class ExtProcHandler:
             ticket = st.ticket = decision.ticket
             if st.request_id is not None:
                 self._live[st.request_id] = st
-            return self.replies.route(ticket.worker.endpoint, decision.fallbacks)
+            return self.replies.route(ticket.worker.endpoint, decision.fallbacks, st.phase)
         assert type(decision) is Rejected
         if decision.outcome is Outcome.OVERLOADED:
             self.metrics.rejections.labels(st.model, st.endpoint_label).inc()
@@ -225,6 +309,8 @@ class ExtProcHandler:
                 status = int(_header_value(h) or 0)
             elif key == WORKER_OVERLOADED_HEADER:
                 flagged = _header_value(h).strip() == "1"
+            elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
+                st.stream = True  # decided on the headers: the body's "stream" was not read
         if (flagged and not 200 <= status < 300) or status == 529:
             self._worker_rejected(st, ticket.worker)
             self.pool.release(ticket)
@@ -234,6 +320,8 @@ class ExtProcHandler:
         elif st.stream and not self._observed and 200 <= status < 300:
             # No body observation: the stream has started, so prefill is over.
             self.pool.prefill_done(ticket)
+        if st.phase == "request_headers" and not msg.end_of_stream:
+            return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
 
     def _worker_rejected(self, st: _Stream, worker: Worker) -> None:

@@ -57,37 +57,42 @@ def immediate(
     )
 
 
-def routing_reply(endpoint: str, fallbacks: tuple[str, ...] = ()) -> bytes:
+def routing_reply(
+    endpoint: str, fallbacks: tuple[str, ...] = (), phase: str = "request_body"
+) -> bytes:
     """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header.
 
     ``fallbacks`` follow the pick in the metadata (``a,b,c``): Envoy's override_host
     policy tries them in order when the route retries a worker-side rejection.
     ``x-envoy-max-retries`` caps the retries at the hosts listed, so a retry never
     falls through to the cluster's fallback policy (a worker of another model).
+    ``phase`` is the message answered: ``request_body``, or ``request_headers`` when the
+    decision was made on the headers (the model forwarded as metadata).
     """
     overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     meta = struct_pb2.Struct()
     meta.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join((endpoint, *fallbacks))}})
-    return _serialize(
-        ep.ProcessingResponse(
-            request_body=ep.BodyResponse(
-                response=ep.CommonResponse(
-                    header_mutation=ep.HeaderMutation(
-                        set_headers=[
-                            base_pb2.HeaderValueOption(
-                                header=_header(DESTINATION_HEADER, endpoint),
-                                append_action=overwrite,
-                            ),
-                            base_pb2.HeaderValueOption(
-                                header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))),
-                                append_action=overwrite,
-                            ),
-                        ]
-                    )
-                )
-            ),
-            dynamic_metadata=meta,
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(
+                    header=_header(DESTINATION_HEADER, endpoint), append_action=overwrite
+                ),
+                base_pb2.HeaderValueOption(
+                    header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))),
+                    append_action=overwrite,
+                ),
+            ]
         )
+    )
+    if phase == "request_headers":
+        return _serialize(
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=meta
+            )
+        )
+    return _serialize(
+        ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=meta)
     )
 
 
@@ -111,6 +116,37 @@ CONTINUES = {
     "request_trailers": _serialize(ep.ProcessingResponse(request_trailers=ep.TrailersResponse())),
     "response_trailers": _serialize(ep.ProcessingResponse(response_trailers=ep.TrailersResponse())),
 }
+# The processing mode of a request decided on its body (the exact mode): whatever the
+# filter's configured request body mode, Envoy buffers the body and sends it.
+EXACT_MODE = _PM(
+    request_header_mode=_PM.SEND,
+    request_body_mode=_PM.BUFFERED,
+    response_header_mode=_PM.SEND,
+    response_body_mode=_PM.NONE,
+    request_trailer_mode=_PM.SKIP,
+    response_trailer_mode=_PM.SKIP,
+)
+# Continue, and send the body: the headers did not carry what the decision needs.
+SEND_BODY = _serialize(
+    ep.ProcessingResponse(request_headers=ep.HeadersResponse(), mode_override=EXACT_MODE)
+)
+# A routed response that is not over at its headers, decided without the body: Envoy
+# would close the stream after the last message it expects (the response headers), so
+# it is asked for the response trailers too; the stream, and the request's estimate,
+# last until the response ends, fails, or the client goes away.
+CONTINUE_RESPONSE_HEADERS_HOLD = _serialize(
+    ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(),
+        mode_override=_PM(
+            request_header_mode=_PM.SEND,
+            request_body_mode=_PM.NONE,
+            response_header_mode=_PM.SEND,
+            response_body_mode=_PM.NONE,
+            request_trailer_mode=_PM.SKIP,
+            response_trailer_mode=_PM.SEND,
+        ),
+    )
+)
 # Pass-through paths: drop a client-supplied destination header, stop processing.
 PASSTHROUGH = _serialize(
     ep.ProcessingResponse(
@@ -158,14 +194,16 @@ class Replies:
             return self.overloaded[decision.retry_after]
         return NO_WORKERS if decision.outcome is Outcome.NO_WORKERS else MODEL_NOT_FOUND
 
-    def route(self, endpoint: str, fallbacks: tuple[str, ...]) -> bytes:
+    def route(
+        self, endpoint: str, fallbacks: tuple[str, ...], phase: str = "request_body"
+    ) -> bytes:
         """The routing reply to ``endpoint`` with ``fallbacks``, cached per combination."""
-        key = (endpoint, *fallbacks)
+        key = (phase, endpoint, *fallbacks)
         reply = self._routes.get(key)
         if reply is None:
             if len(self._routes) >= ROUTE_CACHE:
                 self._routes.clear()
-            reply = self._routes[key] = routing_reply(endpoint, fallbacks)
+            reply = self._routes[key] = routing_reply(endpoint, fallbacks, phase)
         return reply
 
     def models(self, models: tuple[str, ...]) -> bytes:

@@ -15,7 +15,12 @@ from prometheus_client import generate_latest
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
-from extproc.handlers.processor import ExtProcHandler, RequestSession
+from extproc.handlers.processor import (
+    REQUEST_NAMESPACE,
+    ExtProcHandler,
+    ObserverSession,
+    RequestSession,
+)
 from extproc.handlers.replies import DESTINATION_HEADER, LB_NAMESPACE
 from extproc.metrics.registry import Metrics
 
@@ -37,14 +42,22 @@ def make(th: BusyThresholds = HALF, status: int = 529) -> ExtProcHandler:
     return ExtProcHandler(pool, Scheduler(pool), Metrics(), overload_status=status)
 
 
-def headers(path: str, method: str = "POST", end: bool = False, **extra: str) -> bytes:
-    pairs = {":path": path, ":method": method, **extra}
+def headers(
+    path: str,
+    method: str = "POST",
+    end: bool = False,
+    read: str | None = None,
+    extra: dict[str, str] | None = None,
+) -> bytes:
+    """Request headers; ``read``: the model the prefix reader forwarded (None: no reader)."""
+    pairs = {":path": path, ":method": method, **(extra or {})}
     hm = base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     )
-    return ep.ProcessingRequest(
-        request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end)
-    ).SerializeToString()
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end))
+    if read is not None:
+        req.metadata_context.filter_metadata[REQUEST_NAMESPACE].update({"model": read})
+    return req.SerializeToString()
 
 
 def body(payload: object | bytes) -> bytes:
@@ -54,8 +67,8 @@ def body(payload: object | bytes) -> bytes:
     ).SerializeToString()
 
 
-def response_headers(status: int, end: bool = False, **extra: str) -> bytes:
-    pairs = {":status": str(status), **extra}
+def response_headers(status: int, end: bool = False, extra: dict[str, str] | None = None) -> bytes:
+    pairs = {":status": str(status), **(extra or {})}
     hm = base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     )
@@ -64,16 +77,21 @@ def response_headers(status: int, end: bool = False, **extra: str) -> bytes:
     ).SerializeToString()
 
 
-def reply(session: RequestSession, message: bytes) -> ep.ProcessingResponse:
+def reply(session: RequestSession | ObserverSession, message: bytes) -> ep.ProcessingResponse:
+    assert isinstance(session, RequestSession)
     raw = session.receive(message)
     assert isinstance(raw, bytes), raw
     return ep.ProcessingResponse.FromString(raw)
 
 
 def chat(handler: ExtProcHandler, model: str = "m", content: str = "hi") -> ep.ProcessingResponse:
+    """The reply that decides a chat request: on its headers if it can be, else on its body."""
     session = handler.open_session({})
     assert isinstance(session, RequestSession)
-    assert reply(session, headers(CHAT)).WhichOneof("response") == "request_headers"
+    first = reply(session, headers(CHAT))
+    if first.WhichOneof("response") == "immediate_response":
+        return first
+    assert first.WhichOneof("response") == "request_headers"
     return reply(session, body({"model": model, "messages": [{"content": content}]}))
 
 
@@ -91,7 +109,7 @@ def counter(handler: ExtProcHandler, name: str, **labels: str) -> float:
 def test_other_paths_pass_through_and_drop_a_client_destination_header() -> None:
     handler = make()
     session = handler.open_session({})
-    resp = reply(session, headers("/v1/other", "GET", **{DESTINATION_HEADER: "10.0.0.1:1"}))
+    resp = reply(session, headers("/v1/other", "GET", extra={DESTINATION_HEADER: "10.0.0.1:1"}))
     mutation = resp.request_headers.response.header_mutation
     assert list(mutation.remove_headers) == [DESTINATION_HEADER]
     assert resp.mode_override.request_body_mode == resp.mode_override.NONE
@@ -171,7 +189,7 @@ def test_worker_side_rejection_becomes_the_overload_reply_and_marks_the_worker()
     assert isinstance(session, RequestSession)
     reply(session, headers(CHAT))
     reply(session, body({"model": "m", "prompt": "hello"}))
-    resp = reply(session, response_headers(503, **{"x-worker-overloaded": "1"}))
+    resp = reply(session, response_headers(503, extra={"x-worker-overloaded": "1"}))
     status, hdrs, payload = local(resp)
     assert status == 529 and payload["type"] == "Overloaded" and hdrs["retry-after"] == "1"
     worker = handler.pool.workers["a"]
@@ -190,4 +208,132 @@ def test_models_list_is_answered_from_discovered_models() -> None:
     session = handler.open_session({})
     status, _, payload = local(reply(session, headers("/v1/models", "GET")))
     assert status == 200
-    assert [m["id"] for m in payload["data"]] == ["m1", "m2"]  # type: ignore[index]
+    data = payload["data"]
+    assert isinstance(data, list) and [m["id"] for m in data] == ["m1", "m2"]
+
+
+def test_no_worker_at_all_is_answered_on_the_headers() -> None:
+    handler = make()
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT))
+    assert local(resp)[0] == 503
+    assert counter(handler, "extproc_decisions_total", outcome="no_workers") == 1
+
+
+def test_every_worker_of_every_model_busy_is_answered_on_the_headers() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    session = handler.open_session({})
+    status, hdrs, payload = local(reply(session, headers(CHAT)))
+    assert (status, hdrs["retry-after"], payload["type"]) == (529, "1", "Overloaded")
+    # One model served: the rejection is counted under it.
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    # Several models, all busy: counted under "*" (the body was not read).
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    pool.report_load("b", active_decode_blocks=6)
+    status, _, _ = local(reply(handler.open_session({}), headers(CHAT)))
+    assert status == 529
+    labels = {"model": "*", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    assert counter(handler, "extproc_decisions_total", outcome="overloaded") == 2
+
+
+def test_a_free_worker_of_another_model_means_the_body_decides() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    session = handler.open_session({})
+    assert reply(session, headers(CHAT)).WhichOneof("response") == "request_headers"
+    resp = reply(session, body({"model": "m", "prompt": "hi"}))
+    assert local(resp)[0] == 529
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    # An overloaded mark (worker-side rejection) counts as not free too.
+    pool.mark_overloaded(pool.workers["b"])
+    assert local(reply(handler.open_session({}), headers(CHAT)))[0] == 529
+
+
+def trailers() -> bytes:
+    return ep.ProcessingRequest(response_trailers=ep.HttpTrailers()).SerializeToString()
+
+
+def test_model_read_from_the_body_prefix_is_decided_on_the_headers() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    resp = reply(session, headers(CHAT, read="m", extra={"content-length": "401"}))
+    # The routing reply answers the headers message: the body never comes.
+    assert resp.WhichOneof("response") == "request_headers"
+    mutation = resp.request_headers.response.header_mutation
+    assert {h.header.key: h.header.raw_value for h in mutation.set_headers} == {
+        DESTINATION_HEADER: b"127.0.0.1:1",
+        "x-envoy-max-retries": b"0",
+    }
+    meta = resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert meta[DESTINATION_HEADER].string_value == "127.0.0.1:1"
+    rank = pool.workers["a"].ranks[0]
+    # Prompt tokens from the body size: ceil(401 / 4).
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (1, 101, 7)
+    # A streamed response: Envoy is asked for the trailers so that the stream (and the
+    # estimate) lasts until the response ends; the stream is recognised by its type.
+    resp = reply(session, response_headers(200, extra={"content-type": "text/event-stream"}))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert resp.mode_override.response_trailer_mode == resp.mode_override.SEND
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (1, 0, 7)  # prefill over
+    reply(session, trailers())
+    assert (rank.inflight, rank.est_blocks) == (0, 0)
+    session.close()
+    assert (rank.inflight, rank.est_prefill, rank.est_blocks) == (0, 0, 0)
+
+
+def test_without_trailers_the_estimate_lasts_until_the_stream_closes() -> None:
+    handler = make()
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    reply(session, headers(CHAT, read="m", extra={"content-length": "40"}))
+    rank = handler.pool.workers["a"].ranks[0]
+    reply(session, response_headers(200))
+    assert rank.inflight == 1  # the response goes on after its headers
+    session.close()  # the response ended or the client went away: Envoy ends the stream
+    assert rank.inflight == 0
+
+
+def test_decided_on_headers_a_busy_or_unknown_model_is_answered_there() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    pool.announce("b", model="n", endpoint="127.0.0.1:2", kv_total_blocks=10)
+    length = {"content-length": "40"}
+    status, hdrs, _ = local(reply(handler.open_session({}), headers(CHAT, read="m", extra=length)))
+    assert (status, hdrs["retry-after"]) == (529, "1")
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+    status, _, _ = local(reply(handler.open_session({}), headers(CHAT, read="x", extra=length)))
+    assert status == 404
+
+
+def test_no_model_in_the_prefix_means_the_body_decides_and_a_bad_body_is_400() -> None:
+    handler = make()
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)  # every worker busy
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT, read="", extra={"content-length": "1"}))
+    # Not decided on the headers, even with every worker busy: Envoy is asked for the
+    # buffered body, whatever the filter's configured body mode.
+    assert resp.WhichOneof("response") == "request_headers"
+    assert resp.mode_override.request_body_mode == resp.mode_override.BUFFERED
+    assert local(reply(session, body(b"{")))[0] == 400
+    # Without content-length (a chunked upload) the body decides too.
+    session = handler.open_session({})
+    resp = reply(session, headers(CHAT, read="m"))
+    assert resp.mode_override.request_body_mode == resp.mode_override.BUFFERED
+    assert local(reply(session, body({"model": "m", "prompt": "x"})))[0] == 529
