@@ -192,6 +192,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         overload_status=settings.overload_status,
         queue=queue,
         tokenizer=tokenizer,
+        classes=classes,
     )
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:

@@ -96,6 +96,18 @@ class ClassTable:
         """More than the single implicit class."""
         return len(self.classes) > 1 or self.classes[0].share != FULL_SHARE
 
+    @property
+    def marker_header(self) -> str:
+        """The trusted marker's header name, or "" without one."""
+        return "" if self.trusted_marker is None else self.trusted_marker[0]
+
+    def trusts(self, marker: str | None) -> bool:
+        """Whether the class header counts, given the marker header's value (None: absent)."""
+        if self.trusted_marker is None:
+            return True
+        value = self.trusted_marker[1]
+        return marker is not None and (value is None or marker == value)
+
     def by_name(self, name: str) -> RequestClass:
         for c in self.classes:
             if c.name == name:

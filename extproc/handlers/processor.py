@@ -25,6 +25,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
 from extproc.core.pool import Ticket, Worker, WorkerPool
 from extproc.core.scheduling import QUEUED, Decision, Outcome, Queued, Rejected, Routed, Scheduler
 from extproc.handlers import replies
@@ -59,6 +60,7 @@ class _Stream:
     """Per-request state of one ext_proc stream."""
 
     __slots__ = (
+        "cls",
         "endpoint_label",
         "model",
         "phase",
@@ -66,9 +68,11 @@ class _Stream:
         "request_id",
         "stream",
         "ticket",
+        "variant",
     )
 
     def __init__(self) -> None:
+        self.cls: RequestClass | None = None
         self.endpoint_label: str | None = None
         self.model = ""
         self.phase = "request_body"
@@ -76,6 +80,7 @@ class _Stream:
         self.request_id: str | None = None
         self.stream = False
         self.ticket: Ticket | None = None
+        self.variant = 0  # the pool's class variant the request is decided under
 
 
 class ExtProcHandler:
@@ -90,6 +95,7 @@ class ExtProcHandler:
         overload_status: int = 529,
         queue: RouterQueue | None = None,
         tokenizer: PromptTokenizer | None = None,
+        classes: ClassRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
@@ -107,6 +113,14 @@ class ExtProcHandler:
         self._live: dict[str, _Stream] = {}
         # Set once an observability-mode stream arrives: output is counted from bodies.
         self._observed = False
+        # Request classes (docs/classes.md): the table in force, None without classes.
+        self._classes: ClassTable | None = None
+        if classes is not None:
+            self._on_classes(classes.table)
+            classes.listeners.append(self._on_classes)
+
+    def _on_classes(self, table: ClassTable) -> None:
+        self._classes = table if table.enabled else None
 
     def open_session(self, metadata: Mapping[str, str]) -> RequestSession | ObserverSession:
         """A session for one ext_proc stream, from its gRPC metadata."""
@@ -151,6 +165,11 @@ class ExtProcHandler:
             return replies.CONTINUE_REQUEST_HEADERS
         msg = req.request_headers
         method = path = length = ""
+        table = self._classes
+        class_header, marker_header = (
+            ("", "") if table is None else (table.header, table.marker_header)
+        )
+        class_name = marker = None
         for h in msg.headers.headers:
             key = h.key
             if key == ":path":
@@ -161,6 +180,10 @@ class ExtProcHandler:
                 st.request_id = _header_value(h)
             elif key == "content-length":
                 length = _header_value(h)
+            elif key == class_header:
+                class_name = _header_value(h).strip()
+            elif key == marker_header:
+                marker = _header_value(h)
         path = path.split("?", 1)[0]
         label = INFERENCE_PATHS.get(path) if method == "POST" else None
         if label is None:
@@ -169,6 +192,13 @@ class ExtProcHandler:
                 return self.replies.models(tuple(self.pool.models()))
             return replies.PASSTHROUGH
         st.endpoint_label = label
+        if table is not None:
+            if not table.trusts(marker):
+                class_name = None  # the marker is required and absent: the header is ignored
+            st.cls, unknown = table.resolve(class_name)
+            st.variant = table.variant(st.cls, 0)
+            if unknown:
+                self.metrics.class_unknown.inc()
         if msg.end_of_stream:
             return self._bad_request("Request body is empty; expected a JSON object")
         meta = req.metadata_context.filter_metadata
@@ -207,31 +237,32 @@ class ExtProcHandler:
             self.metrics.outcome["no_workers"].inc()
             return replies.NO_WORKERS
         now = self.pool.clock()
+        v = st.variant
         for workers in by_model.values():
             for w in workers:
-                if not w.busy and now >= w.overloaded_until:
+                if not (w.busy if v == 0 else w.busy_by_class[v]) and now >= w.overloaded_until:
                     return None
         queue = self.queue
         if queue is not None and any(queue.waiting(m) for m in by_model):
             return None  # requests are waiting: FIFO keeps their order, decide on the body
+        first = next(iter(by_model))
+        check = self.scheduler.overloaded(first, by_model[first], v).check
         if len(by_model) == 1:
-            st.model = model = next(iter(by_model))
+            st.model = model = first
             retry_after = self.pool.retry_after(model)
         else:
             model = ANY_MODEL
             retry_after = min(self.pool.retry_after(m) for m in by_model)
         self.metrics.outcome["overloaded"].inc()
         self.metrics.rejections.labels(model, st.endpoint_label or "").inc()
-        return self.replies.overloaded[retry_after]
+        self._count_class(st, model, "overloaded")
+        return self.replies.overload(retry_after, check, st.cls)
 
     def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply:
-        if st.endpoint_label is None or st.ticket is not None:
+        if st.endpoint_label is None or st.ticket is not None or st.model:
             # Headers were not sent to us (per-route SKIP): nothing to decide on; or the
-            # request is already routed: one decision (and one estimate) per stream.
-            return replies.CONTINUE_REQUEST_BODY
-        if st.ticket is not None or st.model:
-            # Already decided on the headers; a config whose request body mode is
-            # BUFFERED sends the body all the same: nothing more to decide.
+            # request was decided already (on its headers, with a config that sends the
+            # body all the same, or routed): one decision (and one estimate) per stream.
             return replies.CONTINUE_REQUEST_BODY
         started = self.clock()
         try:
@@ -248,11 +279,13 @@ class ExtProcHandler:
         st.model = model
         st.prompt_tokens = prompt_tokens
         st.phase = phase
+        if st.cls is not None and self._classes is not None:
+            st.variant = self._classes.variant(st.cls, prompt_tokens)
         queue = self.queue
         if queue is not None and queue.waiting(model):
             decision: Decision = QUEUED  # FIFO: no overtaking the requests already waiting
         else:
-            decision = self.scheduler.decide(model, prompt_tokens)
+            decision = self.scheduler.decide(model, prompt_tokens, st.variant)
         reply: Reply
         if type(decision) is Queued and queue is not None:
             reply = (self._extend_timeout, self._wait_in_queue(st))
@@ -271,11 +304,13 @@ class ExtProcHandler:
         if decision is None:
             self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
             self.metrics.outcome["queue_timeout"].inc()
-            return self.replies.rejected(self.scheduler.overloaded(st.model))
+            self._count_class(st, st.model, "overloaded")
+            retry_after = self.pool.retry_after(st.model)
+            return self.replies.overload(retry_after, "queue_timeout", st.cls)
         return self._reply(st, decision)
 
     def _attempt(self, st: _Stream) -> Routed | Rejected | None:
-        decision = self.scheduler.decide(st.model, st.prompt_tokens)
+        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant)
         return None if isinstance(decision, Queued) else decision
 
     def _reply(self, st: _Stream, decision: Decision) -> bytes:
@@ -285,11 +320,18 @@ class ExtProcHandler:
             ticket = st.ticket = decision.ticket
             if st.request_id is not None:
                 self._live[st.request_id] = st
+            self._count_class(st, st.model, "routed")
             return self.replies.route(ticket.worker.endpoint, decision.fallbacks, st.phase)
         assert type(decision) is Rejected
         if decision.outcome is Outcome.OVERLOADED:
             self.metrics.rejections.labels(st.model, st.endpoint_label).inc()
-        return self.replies.rejected(decision)
+            self._count_class(st, st.model, "overloaded")
+        return self.replies.rejected(decision, st.cls)
+
+    def _count_class(self, st: _Stream, model: str, outcome: str) -> None:
+        """Requests by class and outcome, when request classes are configured."""
+        if st.cls is not None:
+            self.metrics.by_class.labels(model, st.endpoint_label, st.cls.name, outcome).inc()
 
     def _bad_request(self, message: str) -> bytes:
         self.metrics.outcome["bad_request"].inc()
@@ -314,7 +356,7 @@ class ExtProcHandler:
         if (flagged and not 200 <= status < 300) or status == 529:
             self._worker_rejected(st, ticket.worker)
             self.pool.release(ticket)
-            return self.replies.overloaded[1]
+            return self.replies.overload(1, "worker_overloaded", st.cls)
         if msg.end_of_stream:
             self.pool.release(ticket)
         elif st.stream and not self._observed and 200 <= status < 300:

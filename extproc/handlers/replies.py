@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
+from extproc.core.classes import RequestClass
 from extproc.core.scheduling import Outcome, Rejected
 from extproc.openai.errors import error_body
 
@@ -25,6 +26,10 @@ MAX_RETRIES_HEADER = "x-envoy-max-retries"
 # Routing replies kept (one per endpoint and fallback list); cleared when exceeded.
 ROUTE_CACHE = 4096
 MAX_RETRY_AFTER = 60
+# Every overload reply says why: the check that fired and the request's class.
+SHED_REASON_HEADER = "x-shed-reason"
+SHED_CLASS_HEADER = "x-shed-class"
+DEFAULT_CLASS = "default"
 _PM = processing_mode_pb2.ProcessingMode
 
 
@@ -180,18 +185,35 @@ class Replies:
     """The replies that depend on settings or state, each serialized once."""
 
     def __init__(self, overload_status: int) -> None:
-        body = error_body("Service temporarily overloaded", overload_status)
-        self.overloaded = [b""] + [
-            immediate(overload_status, body, {"retry-after": str(s)})
-            for s in range(1, MAX_RETRY_AFTER + 1)
-        ]
+        self.overload_status = overload_status
+        self._overloads: dict[tuple[int, int, str, str], bytes] = {}
         self._routes: dict[tuple[str, ...], bytes] = {}
         self._models: tuple[tuple[str, ...], bytes] | None = None
 
-    def rejected(self, decision: Rejected) -> bytes:
+    def overload(
+        self, retry_after: int, check: str | None = None, cls: RequestClass | None = None
+    ) -> bytes:
+        """The overload reply: the class's status (default: the overload status) and its
+        Retry-After (default: ``retry_after``), and the headers that say why:
+        ``x-shed-reason`` (the check that fired) and ``x-shed-class``. Built once per
+        combination (statuses x 60 x checks x classes at most)."""
+        status = self.overload_status if cls is None or cls.status is None else cls.status
+        retry = retry_after if cls is None or cls.retry_after is None else cls.retry_after
+        name = DEFAULT_CLASS if cls is None else cls.name
+        key = (status, retry, check or "", name)
+        reply = self._overloads.get(key)
+        if reply is None:
+            headers = {"retry-after": str(retry), SHED_CLASS_HEADER: name}
+            if check:
+                headers[SHED_REASON_HEADER] = check
+            body = error_body("Service temporarily overloaded", status)
+            reply = self._overloads[key] = immediate(status, body, headers)
+        return reply
+
+    def rejected(self, decision: Rejected, cls: RequestClass | None = None) -> bytes:
         """The local reply of a rejection decision."""
         if decision.outcome is Outcome.OVERLOADED:
-            return self.overloaded[decision.retry_after]
+            return self.overload(decision.retry_after, decision.check, cls)
         return NO_WORKERS if decision.outcome is Outcome.NO_WORKERS else MODEL_NOT_FOUND
 
     def route(

@@ -337,3 +337,82 @@ def test_no_model_in_the_prefix_means_the_body_decides_and_a_bad_body_is_400() -
     resp = reply(session, headers(CHAT, read="m"))
     assert resp.mode_override.request_body_mode == resp.mode_override.BUFFERED
     assert local(reply(session, body({"model": "m", "prompt": "x"})))[0] == 529
+
+
+# ----- request classes (docs/classes.md) ------------------------------------------------
+
+CLASSES = {
+    "default": "standard",
+    "trusted_marker": {"header": "x-class-trusted", "value": "envoy"},
+    "classes": {
+        "critical": {"share": 1.0},
+        "standard": {"share": 0.9},
+        "sheddable": {"share": 0.7, "status": 429, "retry_after": 7},
+    },
+}
+
+
+def classed(th: BusyThresholds = HALF) -> ExtProcHandler:
+    from extproc.core.classes import ClassRegistry, parse_table
+
+    pool = WorkerPool(th, clock=Clock())
+    registry = ClassRegistry(parse_table(CLASSES), pool)
+    handler = ExtProcHandler(pool, Scheduler(pool), Metrics(), classes=registry)
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    pool.report_load("a", active_decode_blocks=40)  # 40 %: busy for sheddable (35) only
+    return handler
+
+
+def classed_request(handler: ExtProcHandler, extra: dict[str, str]) -> ep.ProcessingResponse:
+    session = handler.open_session({})
+    first = reply(session, headers(CHAT, read="m", extra={"content-length": "100", **extra}))
+    return first
+
+
+def test_a_sheddable_request_is_rejected_with_its_status_and_why() -> None:
+    handler = classed()
+    trusted = {"x-class-trusted": "envoy"}
+    resp = classed_request(handler, {"x-request-class": "sheddable", **trusted})
+    status, hdrs, payload = local(resp)
+    assert (status, hdrs["retry-after"]) == (429, "7")
+    assert hdrs["x-shed-reason"] == "active_decode_blocks_threshold"
+    assert hdrs["x-shed-class"] == "sheddable"
+    assert payload == {
+        "message": "Service temporarily overloaded",
+        "type": "Too Many Requests",
+        "code": 429,
+    }
+    for name in ("critical", "standard"):
+        routed = classed_request(handler, {"x-request-class": name, **trusted})
+        assert routed.WhichOneof("response") == "request_headers"
+        assert routed.request_headers.response.header_mutation.set_headers
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    for cls, outcome in (("sheddable", "overloaded"), ("critical", "routed")):
+        value = counter(
+            handler, "extproc_requests_by_class_total", **labels, **{"class": cls}, outcome=outcome
+        )
+        assert value == 1
+
+
+def test_the_class_header_counts_only_with_the_trusted_marker() -> None:
+    handler = classed()
+    # A client that names itself sheddable without the marker is the default class.
+    resp = classed_request(handler, {"x-request-class": "sheddable"})
+    assert resp.WhichOneof("response") == "request_headers"
+    wrong = classed_request(handler, {"x-request-class": "sheddable", "x-class-trusted": "me"})
+    assert wrong.WhichOneof("response") == "request_headers"
+    unknown = classed_request(handler, {"x-request-class": "vip", "x-class-trusted": "envoy"})
+    assert unknown.WhichOneof("response") == "request_headers"
+    assert counter(handler, "extproc_request_class_unknown_total") == 1
+
+
+def test_without_classes_the_overload_reply_still_says_why() -> None:
+    handler = make()
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    handler.pool.report_load("a", active_decode_blocks=6)
+    status, hdrs, _ = local(classed_request(handler, {"x-request-class": "sheddable"}))
+    assert status == 529
+    assert (hdrs["x-shed-reason"], hdrs["x-shed-class"]) == (
+        "active_decode_blocks_threshold",
+        "default",
+    )
