@@ -14,6 +14,7 @@ from aiohttp import web
 
 from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
+from extproc.admin.state import RuntimeState, StateFileError
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, ClassTable
@@ -134,6 +135,15 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
+    if settings.state_file:
+        state = RuntimeState(settings.state_file, pool, classes)
+        try:
+            applied = state.load()
+        except StateFileError as exc:
+            raise StartupError(2, str(exc)) from None
+        if applied:
+            log.info("%d runtime change(s) applied from %s", applied, settings.state_file)
+        state.watch()
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
     runner = web.AppRunner(build_app(pool, metrics, readiness, auth, classes), access_log=None)
     await runner.setup()

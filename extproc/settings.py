@@ -342,6 +342,17 @@ class Settings(BaseSettings):
         metavar="PATH",
         expected="a local tokenizer.json file",
     )
+    state_file: Annotated[str | None, BeforeValidator(_off)] = setting(
+        None,
+        "--state-file",
+        "EXTPROC_STATE_FILE",
+        "router",
+        "JSON file where thresholds and classes changed at runtime are kept and applied "
+        "again after a restart (over the startup values). Default: none (runtime changes "
+        "last until the process ends)",
+        metavar="FILE",
+        expected="a writable file path",
+    )
     classes_file: str | None = setting(
         None,
         "--classes-file",

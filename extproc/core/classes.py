@@ -280,7 +280,7 @@ class ClassRegistry:
         self.table = table
         self.listeners: list[Callable[[ClassTable], None]] = []
         # Told of a change made here (to share it with other replicas), with the class.
-        self.on_local_change: Callable[[str], None] | None = None
+        self.change_listeners: list[Callable[[str], None]] = []
         # class -> (version, writer replica): the newest change wins on every replica.
         self.stamps: dict[str, tuple[int, str]] = {}
         pool.set_shares(table.shares())
@@ -292,7 +292,7 @@ class ClassRegistry:
         such class, ClassConfigError (nothing changed) if the result is not valid.
 
         A change made here (no ``stamp``) is stamped like a threshold change and announced
-        through ``on_local_change``; one from another replica applies only if its stamp is
+        to ``change_listeners``; one from another replica applies only if its stamp is
         newer (the class is then returned unchanged when it is not)."""
         current = self.table.by_name(name)
         held = self.stamps.get(name, (0, ""))
@@ -312,6 +312,7 @@ class ClassRegistry:
         self.pool.set_shares(table.shares())
         for listener in self.listeners:
             listener(table)
-        if stamp is None and self.on_local_change is not None:
-            self.on_local_change(name)
+        if stamp is None:
+            for told in self.change_listeners:
+                told(name)
         return updated

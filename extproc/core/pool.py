@@ -222,7 +222,7 @@ class WorkerPool:
         self.replica_id = ""
         self.estimates_version = 0
         self.on_estimates: Callable[[], None] | None = None
-        self.on_thresholds: Callable[[str], None] | None = None
+        self.threshold_listeners: list[Callable[[str], None]] = []
         # model -> (version, writer replica): the newest change wins on every replica.
         self.threshold_stamps: dict[str, tuple[int, str]] = {}
         # Request classes (extproc.core.classes): the default class's share, then the
@@ -404,7 +404,7 @@ class WorkerPool:
         """Takes effect for the very next decision; False if ``stamp`` is not newer.
 
         A change made here (no ``stamp``) is stamped (one more than the newest version
-        seen for the model, this replica's id) and announced through ``on_thresholds``. A
+        seen for the model, this replica's id) and announced to ``threshold_listeners``. A
         change from another replica carries its stamp and applies only if newer, so
         concurrent changes end in the same state on every replica: the higher version
         wins, and the higher replica id between equal versions.
@@ -419,8 +419,9 @@ class WorkerPool:
         self.thresholds[model] = thresholds
         for worker in self.by_model.get(model, ()):
             self._recompute_limits(worker)
-        if local and self.on_thresholds is not None:
-            self.on_thresholds(model)
+        if local:
+            for listener in self.threshold_listeners:
+                listener(model)
         return True
 
     def set_shares(self, shares: list[Share]) -> None:

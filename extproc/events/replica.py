@@ -77,9 +77,9 @@ class ReplicaPublisher:
         for endpoint in self.endpoints:
             await tr.connect(endpoint)
         self.pool.on_estimates = self._estimates_changed
-        self.pool.on_thresholds = self._send_thresholds
+        self.pool.threshold_listeners.append(self._send_thresholds)
         if self.classes is not None:
-            self.classes.on_local_change = self._send_class
+            self.classes.change_listeners.append(self._send_class)
         self._heartbeat = loop.create_task(self._beat(), name="replica-heartbeat")
 
     def _estimates_changed(self) -> None:

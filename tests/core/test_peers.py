@@ -126,7 +126,7 @@ def test_a_local_change_is_stamped_above_everything_seen_and_announced() -> None
     pool = WorkerPool(BusyThresholds())
     pool.replica_id = "r0"
     told: list[str] = []
-    pool.on_thresholds = told.append
+    pool.threshold_listeners.append(told.append)
     pool.set_thresholds("m", BusyThresholds(0.5), (7, "zz"))
     assert told == []  # a remote change is not announced again
     pool.set_thresholds("m", BusyThresholds(0.6))

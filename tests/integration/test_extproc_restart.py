@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from extproc.devstack import PYTHON, Extproc, Proc, free_port, http, wait_until
+from extproc.devstack import (
+    PYTHON,
+    Extproc,
+    Proc,
+    Publisher,
+    free_port,
+    get_json,
+    http,
+    wait_until,
+)
 
 MODEL = "restart-model"
 
@@ -112,3 +121,48 @@ def test_a_grpc_port_in_use_is_an_error_at_once(log_dir: Path) -> None:
         )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert f"cannot listen for ext_proc gRPC on 127.0.0.1:{port}" in proc.stderr
+
+
+def test_runtime_changes_survive_a_restart_with_a_state_file(log_dir: Path) -> None:
+    """Thresholds set with POST /busy_threshold come back after a restart (--state-file)."""
+    state = log_dir / "state.json"
+    args = ["--state-file", str(state), "--active-prefill-tokens-threshold", "500"]
+    ext = Extproc(log_dir, args)
+    pub = Publisher(ext.event_endpoint)
+    try:
+        pub.announce(ext, "st-w", "m-state", "127.0.0.1:9")
+        status, _, body = http(
+            "POST",
+            ext.admin + "/busy_threshold",
+            {"model": "m-state", "active_decode_blocks_threshold": 0.25},
+        )
+        assert status == 200, body
+        assert state.is_file()
+    finally:
+        pub.close()
+        ext.stop()
+    ext = Extproc(log_dir, args, ports=ext.ports)
+    try:
+        entry = get_json(ext.admin + "/busy_threshold")["thresholds"]
+        # Listed once the model is served again; the saved values are already in force.
+        assert entry == [] or entry[0]["active_decode_blocks_threshold"] == 0.25
+        pub = Publisher(ext.event_endpoint)
+        pub.announce(ext, "st-w", "m-state", "127.0.0.1:9")
+        entry = get_json(ext.admin + "/busy_threshold")["thresholds"]
+        assert entry == [
+            {
+                "model": "m-state",
+                "active_decode_blocks_threshold": 0.25,
+                "active_prefill_tokens_threshold": 500,
+                "active_prefill_tokens_threshold_frac": None,
+            }
+        ]
+        pub.close()
+    finally:
+        ext.stop()
+    state.write_text("{not json")
+    bad = subprocess.run(
+        [PYTHON, "-m", "extproc", *args], capture_output=True, text=True, timeout=30
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert f"cannot read the state file {state}" in bad.stderr
