@@ -49,9 +49,17 @@ async def forwarder() -> AsyncIterator[tuple[str, str]]:
         [sys.executable, "-m", "extproc.events.forwarder", "--xsub", xsub, "--xpub", xpub],
         stderr=subprocess.PIPE,
     )
-    yield xsub, xpub
-    proc.terminate()
-    assert proc.wait(5) == 0
+    try:
+        yield xsub, xpub
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+            raise
+    assert code == 0
 
 
 async def replica(name: str, xsub: str, xpub: str, ttl: float = 1.0) -> Replica:
