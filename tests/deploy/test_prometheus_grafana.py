@@ -3,7 +3,9 @@ checked against a real Prometheus (Debian's package) scraping the real stack.
 
 The live test runs Prometheus on loopback with a 1 s scrape interval and a copy of the
 alert rules whose ``for:`` durations are cut to 2 s (the shipped file's are minutes), drives
-traffic through Envoy, forces every worker busy (``POST /busy_threshold`` with
+traffic of three request classes through Envoy (the shipped classes example and the
+tier routes of envoy/envoy.yaml; one class shed while the others are admitted), forces
+every worker busy (``POST /busy_threshold`` with
 ``active_decode_blocks_threshold`` 0.0 while every worker reports load), then evaluates every
 dashboard query and every alert expression through the HTTP API.
 """
@@ -30,6 +32,7 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "extproc.json"
 COMPOSE = ROOT / "docker-compose.yml"
+CLASSES = DEPLOY / "classes.example.yaml"
 CHAT = "/v1/chat/completions"
 MODEL = "llama"
 # Metric names in PromQL: ours, Dynamo's, Envoy's, and Prometheus' own ``up``; a name
@@ -138,6 +141,8 @@ def test_dashboard_is_provisioned_from_the_repo_files() -> None:
         "workers by state",
         "router queue depth",
         "router queue wait",
+        "requests per class",
+        "rejection ratio per class",
     ):
         assert subject in titles, subject
 
@@ -267,13 +272,18 @@ def stack(make_stack: Any) -> Stack:
             "1.0",
             "--worker-ttl",
             "30",
+            "--classes-file",
+            str(CLASSES),
         ]
     )
 
 
-def _send(url: str, count: int) -> list[int]:
+def _send(url: str, count: int, tier: str | None = None) -> list[int]:
+    """Statuses of ``count`` requests; ``tier`` picks the class on Envoy's x-api-tier routes
+    (premium: critical, batch: sheddable; none: the default class, standard)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    return [http("POST", url + CHAT, body, timeout=5)[0] for _ in range(count)]
+    headers = {"x-api-tier": tier} if tier else {}
+    return [http("POST", url + CHAT, body, headers, timeout=5)[0] for _ in range(count)]
 
 
 def _firing(prom: Prometheus, name: str) -> list[dict[str, Any]]:
@@ -310,6 +320,12 @@ def test_dashboard_queries_and_alerts_against_a_real_prometheus(
             pub.load(worker, active_decode_blocks=10, active_prefill_tokens=5)
         pub.send("load", b"\xc1")  # dropped: bad_encoding
         assert set(_send(url, 20)) == {200}
+        assert set(_send(url, 5, "premium")) == {200}
+        # Only sheddable busy: its share cut so that 10 blocks in use are above its limit.
+        status, _, body = http("POST", ext.admin + "/classes", {"name": "sheddable", "share": 0.1})
+        assert status == 200, body
+        assert _send(url, 5, "batch") == [429] * 5  # the example's status for sheddable
+        assert set(_send(url, 5)) == {200}
 
         # Every worker busy: decode threshold 0.0 while each reports 10 blocks in use.
         status, _, body = http(
@@ -324,7 +340,14 @@ def test_dashboard_queries_and_alerts_against_a_real_prometheus(
 
         def scraped() -> bool:
             got = prom.query('extproc_decisions_total{outcome="overloaded"} >= 20')
-            return bool(got) and bool(prom.query("envoy_http_ext_proc_streams_started > 0"))
+            by_class = prom.query(
+                'count by (class) (extproc_requests_by_class_total{outcome="overloaded"})'
+            )
+            return (
+                bool(got)
+                and bool(prom.query("envoy_http_ext_proc_streams_started > 0"))
+                and len(by_class) == 2  # sheddable, then standard
+            )
 
         wait_until(scraped, 15, "Prometheus has scraped the rejections")
 
@@ -364,6 +387,18 @@ def test_dashboard_queries_and_alerts_against_a_real_prometheus(
                 if missing:
                     problems.append(f"{title}: series without {missing}: {series}")
         assert not problems, "\n".join(problems)
+        # The per-class panel sees each class with what happened to it.
+        per_class = next(e for title, e in _dashboard_queries() if "per class:" in title)
+        seen = {
+            (s["metric"]["class"], s["metric"]["outcome"])
+            for s in prom.query(_substitute(per_class))
+        }
+        assert seen == {
+            ("critical", "routed"),
+            ("standard", "routed"),
+            ("standard", "overloaded"),
+            ("sheddable", "overloaded"),
+        }
         values = get_json(prom.url + "/api/v1/label/model/values?match[]=extproc_model_workers")[
             "data"
         ]
