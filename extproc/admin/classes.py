@@ -20,6 +20,7 @@ from extproc.admin.thresholds import ThresholdUpdateError, decode_body
 from extproc.core.classes import ClassConfigError, ClassRegistry
 
 PATH = "/classes"
+HIDDEN = "(set, not shown)"
 
 
 def table_view(registry: ClassRegistry) -> dict[str, Any]:
@@ -28,7 +29,10 @@ def table_view(registry: ClassRegistry) -> dict[str, Any]:
     return {
         "header": table.header,
         "default": table.default,
-        "trusted_marker": None if marker is None else {"header": marker[0], "value": marker[1]},
+        # The marker's value is a secret shared with Envoy: said to be set, never shown.
+        "trusted_marker": None
+        if marker is None
+        else {"header": marker[0], "value": None if marker[1] is None else HIDDEN},
         "classes": [c.as_dict() for c in table.classes],
     }
 

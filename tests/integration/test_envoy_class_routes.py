@@ -6,6 +6,7 @@ example classes file (deploy/classes.example.yaml)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,10 @@ def test_a_forged_marker_on_the_default_route_is_removed(make_stack: Any) -> Non
     assert _post(stack, {"x-api-tier": "premium"}) == (200, None)
     assert _post(stack, {"x-api-tier": "batch", MARKER: "wrong"}) == (429, "sheddable")
     assert _routed(stack, "critical") == 1
+    # GET /classes says a marker value is set and never shows it.
+    status, _, raw = http("GET", stack.ext.admin + "/classes")
+    assert status == 200 and secret.encode() not in raw
+    assert json.loads(raw)["trusted_marker"] == {"header": MARKER, "value": "(set, not shown)"}
 
 
 def test_without_a_marker_the_client_class_header_counts(tmp_path: Path, make_stack: Any) -> None:
