@@ -87,10 +87,10 @@ class Config:
 class Stack:
     """Envoy -> extproc -> two publishing simulated workers, all children of this process."""
 
-    def __init__(self, cfg: Config, log_dir: Path) -> None:
+    def __init__(self, cfg: Config, log_dir: Path, extproc_args: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.procs: list[SimProcess] = []
-        args = ["--log-level", "WARNING"]
+        args = ["--log-level", "WARNING", *extproc_args]
         if cfg.track_output_blocks:
             args.append("--router-track-output-blocks")
         self.ext = Extproc(log_dir, args)
@@ -171,6 +171,9 @@ class Outcome:
     e2e: float | None = None
     finished: bool = False
     error: str = ""
+    retry_after: float | None = None  # of a rejection, in seconds
+    shed_class: str = ""  # x-shed-class of a rejection: the class the extproc decided on
+    shed_reason: str = ""  # x-shed-reason of a rejection: the check that fired
 
 
 def request_body(cfg: Config, rng: random.Random, max_tokens: int | None = None) -> bytes:
@@ -188,14 +191,23 @@ def request_body(cfg: Config, rng: random.Random, max_tokens: int | None = None)
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, body: bytes, out: Outcome, t0: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    out: Outcome,
+    t0: float,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """POST one streaming chat; fill ``out`` as the response arrives."""
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **(headers or {})}
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             out.status = resp.status
             if resp.status != 200:
+                with contextlib.suppress(ValueError):
+                    out.retry_after = float(resp.headers.get("retry-after", ""))
+                out.shed_class = resp.headers.get("x-shed-class", "")
+                out.shed_reason = resp.headers.get("x-shed-reason", "")
                 await resp.read()
                 out.e2e = time.monotonic() - t0 - out.arrival
                 return
@@ -771,9 +783,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
 
 
 @contextlib.contextmanager
-def started_stack(cfg: Config) -> Iterator[Stack]:
+def started_stack(cfg: Config, extproc_args: Sequence[str] = ()) -> Iterator[Stack]:
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
-        stack = Stack(cfg, Path(tmp))
+        stack = Stack(cfg, Path(tmp), extproc_args)
         try:
             yield stack
         finally:
