@@ -55,7 +55,7 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
 	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
-.PHONY: loadtest overload compose-check compose-rehearsal
+.PHONY: loadtest overload overload-classes compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 HOST ?= http://127.0.0.1:8000
 
@@ -73,6 +73,9 @@ loadtest: $(LOADTEST_STAMP) ## Locust, 20 users for 30 s, against `make demo` (H
 
 overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on (~4 min; docs/overload-*)
 	$(PY) -m loadtest.overload $(ARGS)
+
+overload-classes: $(LOADTEST_STAMP) ## Mixed request classes at 1x, 3x, 10x, with and without retries (~4 min; docs/classes-*)
+	$(PY) -m loadtest.mixed $(ARGS)
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"

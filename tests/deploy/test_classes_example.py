@@ -42,7 +42,7 @@ def test_the_example_loads_with_the_trusted_marker() -> None:
     assert [c.name for c in table.classes] == ["critical", "standard", "sheddable"]
     assert table.default == "standard"
     shares = {c.name: c.share.active_decode_blocks for c in table.classes}
-    assert shares == {"critical": 1.0, "standard": 0.9, "sheddable": 0.7}
+    assert shares["critical"] == 1.0 > shares["standard"] > shares["sheddable"]
     sheddable = table.by_name("sheddable")
     assert sheddable.large_prompt_share is not None and sheddable.large_prompt_tokens
     assert table.trusted_marker is not None and table.trusted_marker[1]

@@ -7,12 +7,15 @@ example classes file (deploy/classes.example.yaml)."""
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from extproc.devstack import ROOT, http, metric_samples, wait_until
+from extproc.settings import load_class_table
 from tests.conftest import Stack
 
 EXAMPLE = ROOT / "deploy" / "classes.example.yaml"
@@ -20,9 +23,18 @@ CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 MODEL = "m-tier"
 MARKER = "x-request-class-trusted"
-# critical 1.0, standard 0.9, sheddable 0.7 of a decode threshold of 0.5 x 100 blocks.
-ONLY_SHEDDABLE_BUSY = 40  # above sheddable's 35, below standard's 45 and critical's 50
-STANDARD_BUSY = 48  # above standard's 45, below critical's 50
+DECODE_THRESHOLD = 0.5  # of 100 KV blocks
+
+
+def _limit(cls: str) -> int:
+    """The class's KV-block limit on the test worker: floor(0.5 x share x 100)."""
+    share = load_class_table(str(EXAMPLE)).by_name(cls).share.active_decode_blocks
+    return math.floor(Fraction(str(DECODE_THRESHOLD)) * Fraction(str(share)) * 100)
+
+
+assert _limit("sheddable") < _limit("standard") < _limit("critical")
+ONLY_SHEDDABLE_BUSY = _limit("sheddable") + 1  # below standard's and critical's limits
+STANDARD_BUSY = _limit("standard") + 1  # below critical's limit
 
 
 def _example() -> dict[str, Any]:
@@ -33,7 +45,12 @@ def _example() -> dict[str, Any]:
 
 def _start(make_stack: Any, classes_file: Path) -> Stack:
     stack: Stack = make_stack(
-        ["--classes-file", str(classes_file), "--active-decode-blocks-threshold", "0.5"]
+        [
+            "--classes-file",
+            str(classes_file),
+            "--active-decode-blocks-threshold",
+            str(DECODE_THRESHOLD),
+        ]
     )
     stack.pub.announce(stack.ext, "tier-w", MODEL, stack.endpoint("a"), kv_total_blocks=100)
     return stack
