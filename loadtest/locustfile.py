@@ -19,8 +19,10 @@ What lands in the statistics (and in ``--csv`` / ``--html`` reports):
 - ``POST <name>``: requests that got a 2xx, with the **whole** response time (to the last
   byte of a stream, not to the headers); any other status, a cut stream or a connection
   error is a failure.
-- ``REJECTED <name>``: overload replies, status ``DYN_HTTP_OVERLOAD_STATUS_CODE`` (default
-  529), counted as successes: shedding is the behaviour under test, not an error.
+- ``REJECTED <name>``: overload replies, counted as successes: shedding is the behaviour
+  under test, not an error. An overload reply is one with the status
+  ``DYN_HTTP_OVERLOAD_STATUS_CODE`` (default 529), or any reply with the extproc's
+  ``x-shed-reason`` header (a request class may answer 429 or 503, docs/classes.md).
 - ``TTFT <name>``: time to the first streamed token, one sample per stream.
 - ``ITL <name>``: inter-token latency, one sample per gap between two streamed events that
   carry text (an engine that sends several tokens per event gives one gap per event).
@@ -34,6 +36,12 @@ Options (flag or environment variable; also in the web UI):
   Every rejected attempt is counted under ``REJECTED``; a retry that succeeds counts once
   under ``POST``.
 - ``--retry-base`` (0.5 s), ``--retry-max`` (8 s), ``--retry-after`` / ``LOADTEST_RETRY_AFTER``.
+- ``--class-mix`` / ``LOADTEST_CLASS_MIX``: request classes and their weights, e.g.
+  ``critical=20,standard=50,sheddable=30``; each request draws one and sends it in
+  ``--class-header`` (``LOADTEST_CLASS_HEADER``, default ``x-request-class``; with the shipped
+  Envoy configs ``x-api-tier`` and ``premium=20,standard=50,batch=30`` go through its tier
+  routes). Every row's name then ends in `` [<class>]``, so each class has its own
+  requests, rejections, TTFT and ITL. Default: no class header, names as above.
 
 Only locust and the standard library are imported, so the file also runs in the stock
 ``locustio/locust`` container image.
@@ -42,6 +50,7 @@ Only locust and the standard library are imported, so the file also runs in the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -88,6 +97,27 @@ def retry_after_seconds(value: str | None) -> float:
         return 0.0
 
 
+def parse_class_mix(text: str) -> list[tuple[str, float]]:
+    """``name=weight,...`` as (name, weight) pairs; ValueError naming the bad part."""
+    mix: list[tuple[str, float]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, weight = part.partition("=")
+        name = name.strip()
+        try:
+            value = float(weight) if sep else math.nan
+        except ValueError:
+            value = math.nan
+        if not name or not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"--class-mix: {part!r} is not name=weight with a weight above 0 "
+                "(e.g. critical=20,standard=50,sheddable=30)"
+            )
+        mix.append((name, value))
+    return mix
+
+
 def has_text(event: dict[str, Any]) -> bool:
     """Whether one streamed chat or completions event carries generated text."""
     for choice in event.get("choices") or ():
@@ -131,6 +161,29 @@ def _add_arguments(parser: LocustArgumentParser) -> None:
         default=False,
         help="wait at least the reply's Retry-After before a retry",
     )
+    group.add_argument(
+        "--class-mix",
+        env_var="LOADTEST_CLASS_MIX",
+        default="",
+        help="request classes and weights, e.g. critical=20,standard=50,sheddable=30 "
+        "(default: no class header)",
+    )
+    group.add_argument(
+        "--class-header",
+        env_var="LOADTEST_CLASS_HEADER",
+        default="x-request-class",
+        help="the header that names the class (x-api-tier with the shipped Envoy routes)",
+    )
+
+
+@events.init.add_listener
+def _check_options(environment: Any, **_: Any) -> None:
+    """Bad options stop the run at once, with the flag, the value and what was expected."""
+    opts = environment.parsed_options
+    try:
+        parse_class_mix(getattr(opts, "class_mix", "") or "")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 class OpenAIUser(HttpUser):
@@ -147,6 +200,10 @@ class OpenAIUser(HttpUser):
         self.honour_retry_after: bool = getattr(opts, "retry_after", False)
         self.overload = overload_status()
         self.rng = random.Random()
+        mix = parse_class_mix(getattr(opts, "class_mix", "") or "")
+        self.class_names = [name for name, _ in mix]
+        self.class_weights = [weight for _, weight in mix]
+        self.class_header: str = getattr(opts, "class_header", "x-request-class")
 
     @task(6)
     def chat_stream(self) -> None:
@@ -183,8 +240,13 @@ class OpenAIUser(HttpUser):
 
     def generate(self, name: str, path: str, body: dict[str, Any]) -> None:
         """Send once, and again after a backoff while rejected and retries are left."""
+        headers: dict[str, str] = {}
+        if self.class_names:
+            cls = self.rng.choices(self.class_names, self.class_weights)[0]
+            headers[self.class_header] = cls
+            name = f"{name} [{cls}]"
         for attempt in range(self.retries + 1):
-            retry_after = self.send(name, path, body)
+            retry_after = self.send(name, path, body, headers)
             if retry_after is None or attempt == self.retries:
                 return
             delay = backoff_seconds(attempt, self.retry_base, self.retry_max, self.rng)
@@ -192,15 +254,17 @@ class OpenAIUser(HttpUser):
                 delay = max(delay, retry_after)
             time.sleep(delay)  # gevent-patched: yields to the other users
 
-    def send(self, name: str, path: str, body: dict[str, Any]) -> float | None:
+    def send(
+        self, name: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> float | None:
         """One request; the reply's Retry-After (seconds) if it was rejected, else None."""
         stream = bool(body.get("stream"))
         start = time.perf_counter()
         with self.client.post(
-            path, json=body, name=name, stream=stream, catch_response=True
+            path, json=body, name=name, stream=stream, catch_response=True, headers=headers
         ) as resp:
             meta = resp.request_meta
-            if resp.status_code == self.overload:
+            if resp.status_code == self.overload or "x-shed-reason" in resp.headers:
                 meta["request_type"] = REJECTED
                 resp.success()
                 return retry_after_seconds(resp.headers.get("retry-after"))

@@ -24,6 +24,13 @@ USERS = 12
 # Long enough that every task gets both 200s and 529s on a slow machine: locust writes its
 # CSV once a second, so the last second of a run may be missing from it.
 RUN_TIME = "8s"
+CLASSES = """
+default: standard
+classes:
+  critical: {priority: 0, share: 1.0}
+  standard: {priority: 1, share: 1.0}
+  sheddable: {priority: 2, share: 1.0, status: 429}
+"""
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("locust") is None,
@@ -51,9 +58,16 @@ def _sim(log_dir: Path, name: str, events: str) -> tuple[Proc, int]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Envoy]:
-    """Any used KV block makes a worker busy, so a few users get both 200s and 529s."""
+    """Any used KV block makes a worker busy, so a few users get both 200s and 529s. With
+    request classes: a request without a class is standard (529); sheddable answers 429."""
     log_dir = tmp_path_factory.mktemp("locust-stack")
-    ext = Extproc(log_dir, ["--active-decode-blocks-threshold", "0.0", "--log-level", "WARNING"])
+    classes = log_dir / "classes.yaml"
+    classes.write_text(CLASSES)
+    ext = Extproc(
+        log_dir,
+        ["--active-decode-blocks-threshold", "0.0", "--log-level", "WARNING",
+         "--classes-file", str(classes)],
+    )  # fmt: skip
     sims = [_sim(log_dir, f"sim-{i}", ext.event_endpoint) for i in (1, 2)]
     envoy = None
     try:
@@ -127,6 +141,37 @@ def test_csv_has_requests_rejections_ttft_and_itl(stack: Envoy, tmp_path: Path) 
         assert _rows(prefix, "exceptions") == [], _rows(prefix, "exceptions")
 
 
+def test_class_mix_reports_each_class(stack: Envoy, tmp_path: Path) -> None:
+    """Each request draws a class; rows are per class; a 429 with x-shed-reason is a rejection."""
+    prefix = tmp_path / "mix"
+    proc = _run_locust(stack.url, prefix, "--class-mix", "critical=1,sheddable=1")
+    try:
+        output = proc.communicate(timeout=25)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"locust did not stop within 25 s:\n{proc.communicate()[0]}")
+    assert proc.returncode == 0, f"locust exited {proc.returncode}:\n{output}"
+    stats = {(r["Type"], r["Name"]): r for r in _rows(prefix, "stats")}
+    for row in (
+        ("POST", "chat-stream [critical]"),
+        ("REJECTED", "chat-stream [critical]"),
+        ("REJECTED", "chat-stream [sheddable]"),
+        ("TTFT", "chat-stream [critical]"),
+    ):
+        assert row in stats, f"no {row} row in {sorted(stats)}\n{output}"
+        assert int(stats[row]["Request Count"]) > 0, stats[row]
+        assert int(stats[row]["Failure Count"]) == 0, stats[row]
+    assert all(name.endswith("]") for _, name in stats if name != "Aggregated")
+    assert _rows(prefix, "failures") == [], _rows(prefix, "failures")
+
+
+def test_a_bad_class_mix_stops_locust_with_a_clear_error(stack: Envoy, tmp_path: Path) -> None:
+    proc = _run_locust(stack.url, tmp_path / "bad", "--class-mix", "critical=lots")
+    output = proc.communicate(timeout=25)[0]
+    assert proc.returncode != 0
+    assert "--class-mix: 'critical=lots' is not name=weight with a weight above 0" in output
+
+
 def test_pure_helpers() -> None:
     """Overload status parsing and backoff bounds, checked in a child process (gevent)."""
     code = """
@@ -147,6 +192,16 @@ assert lf.retry_after_seconds("3") == 3 and lf.retry_after_seconds(None) == 0
 assert lf.has_text({"choices": [{"delta": {"content": "hi"}}]})
 assert not lf.has_text({"choices": [], "usage": {"completion_tokens": 3}})
 assert lf.has_text({"choices": [{"text": " fox"}]})
+assert lf.parse_class_mix("") == []
+assert lf.parse_class_mix("critical=20, standard=50,sheddable=30") == [
+    ("critical", 20.0), ("standard", 50.0), ("sheddable", 30.0)]
+for bad in ("critical", "critical=0", "=3", "critical=nan", "critical=x"):
+    try:
+        lf.parse_class_mix(bad)
+    except ValueError as exc:
+        assert repr(bad) in str(exc), exc
+    else:
+        raise AssertionError(bad)
 print("ok")
 """
     out = subprocess.run(
