@@ -348,7 +348,9 @@ class ExtProcHandler:
         for h in msg.headers.headers:
             key = h.key
             if key == ":status":
-                status = int(_header_value(h) or 0)
+                value = _header_value(h)
+                # Envoy sends three digits; anything else is no status, not an error.
+                status = int(value) if value.isascii() and value.isdigit() else 0
             elif key == WORKER_OVERLOADED_HEADER:
                 flagged = _header_value(h).strip() == "1"
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):

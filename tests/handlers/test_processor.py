@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import generate_latest
@@ -303,6 +304,25 @@ def test_without_trailers_the_estimate_lasts_until_the_stream_closes() -> None:
     assert rank.inflight == 1  # the response goes on after its headers
     session.close()  # the response ended or the client went away: Envoy ends the stream
     assert rank.inflight == 0
+
+
+def test_a_status_that_is_not_a_number_is_no_status(caplog: pytest.LogCaptureFixture) -> None:
+    handler = make()
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    rank = handler.pool.workers["a"].ranks[0]
+    for status in ("abc", "\uff12\uff10\uff10", "", "-5"):
+        session = handler.open_session({})
+        reply(session, headers(CHAT, read="m", extra={"content-length": "40"}))
+        hm = base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=":status", raw_value=status.encode())]
+        )
+        message = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hm))
+        resp = reply(session, message.SerializeToString())
+        assert resp.WhichOneof("response") == "response_headers", status
+        assert rank.inflight == 1  # not a worker-side rejection: the response goes on
+        session.close()
+        assert rank.inflight == 0
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
 
 
 def test_decided_on_headers_a_busy_or_unknown_model_is_answered_there() -> None:
