@@ -385,6 +385,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         end = Sample(time.monotonic() - t0, rss_kib(pid), open_fds(pid))
         metrics = stack.ext.metrics()
         decisions = by_label(metrics, "extproc_decisions_total", "outcome")
+        unreachable = sum(by_label(metrics, "extproc_worker_unreachable_total", "model").values())
         workers = sorted(stack.ext.workers())
     finally:
         stop.set()
@@ -399,9 +400,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     checks = {
         "estimates all 0": all_zero(end_est),
         # Every request reached the extproc (it never failed open) and got one decision;
-        # the simulated engines never reject, so every 529 is the extproc's.
+        # the simulated engines never reject, so every 529 is the extproc's: a decision, or
+        # Envoy's own 503 for a killed worker turned into the overload reply.
         "decisions = requests": sum(decisions.values()) == total,
-        "529s = overloaded decisions": decisions.get("overloaded", 0) == rejected,
+        "529s = overloaded decisions + unreachable": decisions.get("overloaded", 0) + unreachable
+        == rejected,
         "rss within limit": end.rss_kib <= rss_limit,
         "fds within limit": end.fds <= fd_limit,
         "no unexpected errors": not run.unexpected_errors,
@@ -419,6 +422,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "unexpected_errors": run.unexpected_errors[:20],
         "overdue": run.overdue,
         "decisions": {k: int(v) for k, v in sorted(decisions.items())},
+        "worker_unreachable": unreachable,
         "threshold_phases": dict(run.phases),
         "worker_events": run.events,
         "workers_at_end": workers,

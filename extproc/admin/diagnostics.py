@@ -106,6 +106,8 @@ def worker_view(
         why = "every rank with load data is busy: " + ", ".join(
             f"rank {r['dp_rank']}: {r['fired']}" for r in ranks if r["has_load_data"]
         )
+    elif state == "overloaded" and now < worker.unreachable_until:
+        why = f"Envoy could not reach it; skipped for {worker.unreachable_until - now:.2f} s more"
     elif state == "overloaded":
         why = (
             f"worker-side rejection; skipped for {worker.overloaded_until - now:.2f} s "

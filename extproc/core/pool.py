@@ -132,6 +132,7 @@ class Worker:
         "overloaded_until",
         "queue_limit",
         "ranks",
+        "unreachable_until",
         "worker_id",
         "worker_type",
     )
@@ -150,6 +151,8 @@ class Worker:
         self.last_seen = now
         self.last_load_at: float | None = None
         self.overloaded_until = 0.0
+        # Envoy could not connect to it: skipped until then, whatever it reports.
+        self.unreachable_until = 0.0
         self.last_seq: int | None = None
         self.busy = False
         # Busy per request class, kept only with more than one class ([0] is ``busy``).
@@ -365,7 +368,8 @@ class WorkerPool:
         rank.reported_at = now
         worker.last_seen = now
         worker.last_load_at = now
-        worker.overloaded_until = 0.0
+        if now >= worker.unreachable_until:
+            worker.overloaded_until = 0.0
         if kv_changed:
             self._rank_all_limits(worker, rank)
         self._refresh_rank(worker, rank)
@@ -564,3 +568,8 @@ class WorkerPool:
     def mark_overloaded(self, worker: Worker) -> None:
         """A worker-side rejection: skip it until its next load report or 1 s."""
         worker.overloaded_until = self.clock() + OVERLOAD_MARK_SECONDS
+
+    def mark_unreachable(self, worker: Worker) -> None:
+        """Envoy could not reach it (a refused or reset connection): skip it for 1 s, load
+        reports notwithstanding (a worker that reports may still be unreachable)."""
+        worker.overloaded_until = worker.unreachable_until = self.clock() + OVERLOAD_MARK_SECONDS

@@ -133,7 +133,8 @@ class Scheduler:
         now = self.pool.clock()
         for w in workers or ():
             if now < w.overloaded_until:
-                check = check or "worker_overloaded"
+                unreachable = now < w.unreachable_until
+                check = check or ("worker_unreachable" if unreachable else "worker_overloaded")
                 continue
             reasons = [r.reason_for(cls) for r in w.ranks if r.has_data]
             check = next((r for r in reasons if r is not None), None)

@@ -39,6 +39,9 @@ log = logging.getLogger("extproc.handlers")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_PATH = f"/{SERVICE_NAME}/Process"
 WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
+# Set by the shipped Envoy configs' local_reply_config on Envoy's own reply to an upstream
+# connection failure (response flags UF, UH, UC): the worker was never reached.
+UPSTREAM_FAILURE_HEADER = "x-upstream-failure"
 REQUEST_ID_HEADER = "x-request-id"
 # gRPC initial metadata of the observability-mode filter (counts output tokens only).
 ROLE_METADATA = "x-extproc-role"
@@ -344,7 +347,7 @@ class ExtProcHandler:
         if ticket is None:
             return replies.CONTINUE_RESPONSE_HEADERS
         status = 0
-        flagged = False
+        flagged = unreachable = False
         for h in msg.headers.headers:
             key = h.key
             if key == ":status":
@@ -353,12 +356,16 @@ class ExtProcHandler:
                 status = int(value) if value.isascii() and value.isdigit() else 0
             elif key == WORKER_OVERLOADED_HEADER:
                 flagged = _header_value(h).strip() == "1"
+            elif key == UPSTREAM_FAILURE_HEADER:
+                unreachable = True
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
                 st.stream = True  # decided on the headers: the body's "stream" was not read
         if (flagged and not 200 <= status < 300) or status == 529:
             self._worker_rejected(st, ticket.worker)
             self.pool.release(ticket)
             return self.replies.overload(1, "worker_overloaded", st.cls)
+        if unreachable and status >= 500:
+            return self._worker_unreachable(st, ticket)
         if msg.end_of_stream:
             self.pool.release(ticket)
         elif st.stream and not self._observed and 200 <= status < 300:
@@ -367,6 +374,21 @@ class ExtProcHandler:
         if st.phase == "request_headers" and not msg.end_of_stream:
             return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
+
+    def _worker_unreachable(self, st: _Stream, ticket: Ticket) -> bytes:
+        """Envoy's own 503 for a routed request (the worker refused or reset the connection
+        and no listed fallback took it): skip the worker for a while and answer the overload
+        reply, as when it is busy; the request never reached an engine."""
+        worker = ticket.worker
+        self.pool.mark_unreachable(worker)
+        self.pool.release(ticket)
+        self.metrics.worker_unreachable.labels(st.model).inc()
+        self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
+        log.warning(
+            "worker %s (%s) unreachable from Envoy: skipped for 1 s", worker.worker_id,
+            worker.endpoint,
+        )  # fmt: skip
+        return self.replies.overload(self.pool.retry_after(st.model), "worker_unreachable", st.cls)
 
     def _worker_rejected(self, st: _Stream, worker: Worker) -> None:
         """A worker-side rejection: skip that worker for a while, count it as ours."""

@@ -62,6 +62,13 @@ class Metrics:
             ["model", "endpoint", "class", "outcome"],
             registry=r,
         )
+        self.worker_unreachable = Counter(
+            "extproc_worker_unreachable",
+            "Routed requests Envoy could not deliver (connection refused or reset before the "
+            "response): answered with the overload reply, the worker skipped for 1 s.",
+            ["model"],
+            registry=r,
+        )
         self.class_unknown = Counter(
             "extproc_request_class_unknown",
             "Requests that named a class that is not configured (decided as the default).",

@@ -13,6 +13,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import generate_latest
 
+from extproc.admin.diagnostics import worker_view
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
@@ -200,6 +201,38 @@ def test_worker_side_rejection_becomes_the_overload_reply_and_marks_the_worker()
     assert 'dynamo_frontend_model_rejection_total{endpoint="chat_completions",model="m"} 1.0' in (
         text
     )
+
+
+def test_envoys_own_reply_to_an_unreachable_worker_becomes_the_overload_reply() -> None:
+    """x-upstream-failure (the shipped configs' local_reply_config) marks Envoy's 503 for a
+    routed request it could not deliver; a worker's own 503 passes through."""
+    handler = make(BusyThresholds())
+    pool = handler.pool
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    reply(session, headers(CHAT, read="m", extra={"content-length": "40"}))
+    resp = reply(session, response_headers(503, extra={"x-upstream-failure": "URX,UF"}))
+    status, hdrs, payload = local(resp)
+    assert (status, payload["type"]) == (529, "Overloaded")
+    assert hdrs["x-shed-reason"] == "worker_unreachable"
+    worker = pool.workers["a"]
+    assert worker.ranks[0].inflight == 0  # released
+    assert counter(handler, "extproc_worker_unreachable_total", model="m") == 1
+    # Skipped for a second, even though it goes on reporting load.
+    pool.report_load("a", active_decode_blocks=0)
+    assert worker.state(pool.clock()) == "overloaded"
+    why = worker_view(pool, worker, pool.clock())["why"]
+    assert why.startswith("Envoy could not reach it; skipped for"), why
+    session = handler.open_session({})
+    status, hdrs, _ = local(reply(session, headers(CHAT, read="m", extra={"content-length": "4"})))
+    assert (status, hdrs["x-shed-reason"]) == (529, "worker_unreachable")
+    # A 503 that the worker itself sent (no x-upstream-failure) is passed on as it is.
+    worker.overloaded_until = worker.unreachable_until = 0.0
+    session = handler.open_session({})
+    reply(session, headers(CHAT, read="m", extra={"content-length": "4"}))
+    resp = reply(session, response_headers(503))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert counter(handler, "extproc_worker_unreachable_total", model="m") == 1
 
 
 def test_models_list_is_answered_from_discovered_models() -> None:

@@ -463,7 +463,10 @@ def test_worker_sigkill_with_no_other_free_worker(
         assert before and {r.outcome for r in before} <= {"200", "200 stream"}
         cut = [r for r in results if r.outcome == "cut"]
         assert all(r.started < killed < r.ended and r.worker == "doomed" for r in cut)
-        assert between and {r.outcome for r in between} == {"503"}, outcomes(between)
+        # Envoy's own 503 for the dead worker (x-upstream-failure) becomes the overload
+        # reply, and the worker is skipped: 529 all along, as if it were busy.
+        assert between and {r.outcome for r in between} == {"529"}, outcomes(between)
+        assert counters(ext, "extproc_worker_unreachable_total", "model")["m"] >= 1
         assert after and {r.outcome for r in after} == {"529"}, outcomes(after)
         settle(ext)
         assert set(ext.workers()) == {"a"}

@@ -50,7 +50,8 @@ def test_soak_60_seconds_leaves_nothing_behind(tmp_path: Path) -> None:
     rejected = sum(v for k, v in outcomes.items() if k.endswith(" 529"))
     assert rejected > 50, outcomes
     assert sum(res["decisions"].values()) == res["requests"], res["decisions"]
-    assert res["decisions"].get("overloaded", 0) == rejected
+    # 529s: the overloaded decisions, and Envoy's 503s for a killed worker turned into it.
+    assert res["decisions"].get("overloaded", 0) + res["worker_unreachable"] == rejected
     assert set(res["threshold_phases"]) == {"off", "decode 0.05", "prefill 400", "all busy"}
     events = " ".join(res["worker_events"])
     assert "said bye" in events and "expired after the TTL" in events, events
