@@ -112,6 +112,48 @@ def test_compose_config_is_valid() -> None:
     }
 
 
+def _classes_override() -> str:
+    """The docker-compose.override.yml of docs/COMPOSE.md, "Request classes"."""
+    text = (ROOT / "docs" / "COMPOSE.md").read_text()
+    section = text.split("## Request classes", 1)[1]
+    return section.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+def test_classes_override_in_the_docs_is_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from extproc.settings import load_settings
+
+    extproc = yaml.safe_load(_classes_override())["services"]["extproc"]
+    source, target, mode = extproc["volumes"][0].split(":")
+    assert (ROOT / source).is_file() and mode == "ro"
+    assert extproc["environment"] == {"EXTPROC_CLASSES_FILE": target}
+    # The extproc loads the mounted file (here from where the mount takes it).
+    for key in list(os.environ):
+        if key.startswith(("DYN_", "EXTPROC_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("EXTPROC_CLASSES_FILE", str(ROOT / source))
+    assert load_settings([]).classes_file == str(ROOT / source)
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose not installed (Debian: apt-get install -y docker-compose)")
+    override = tmp_path / "docker-compose.override.yml"
+    override.write_text(_classes_override())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    proc = subprocess.run(
+        [binary, "-f", str(COMPOSE), "-f", str(override), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = yaml.safe_load(proc.stdout)["services"]["extproc"]
+    assert merged["environment"]["EXTPROC_CLASSES_FILE"] == target
+    assert merged["environment"]["DYN_ROUTER_MODE"] == "kv"  # the base file's, kept
+
+
 def test_services_are_healthchecked_restarted_and_workers_scale() -> None:
     services = _services()
     assert {"extproc", "worker", "envoy", "locust"} <= set(services)
