@@ -29,6 +29,12 @@ from extproc.devstack import (
 )
 
 KV_BLOCKS = 64
+# Slow enough, with the limit at 70 % of the cache, that the streamed tokens reach the
+# extproc well before the cache fills even on a machine loaded well past its cores: the
+# 19 blocks (304 tokens) between the limit (44) and a full cache take the engine about 0.3 s
+# with five requests decoding.
+SPEEDUP = 4
+THRESHOLD = 0.7
 
 
 def _sim(log_dir: Path, name: str) -> tuple[Proc, int]:
@@ -58,7 +64,7 @@ def _sim(log_dir: Path, name: str) -> tuple[Proc, int]:
             "--dp-size",
             "1",
             "--speedup",
-            "10",
+            str(SPEEDUP),
         ],
         log_dir,
     )
@@ -101,7 +107,7 @@ async def test_long_outputs_rejected_before_kv_overflow_only_with_the_flag(
     tmp_path: Path, track: bool
 ) -> None:
     sim, sim_port = _sim(tmp_path, f"sim-{track}")
-    args = ["--active-decode-blocks-threshold", "0.8", "--worker-ttl", "120"]
+    args = ["--active-decode-blocks-threshold", str(THRESHOLD), "--worker-ttl", "120"]
     ext = Extproc(tmp_path, [*args, "--router-track-output-blocks"] if track else args)
     # Output tokens are counted from streamed bodies: the observer config.
     envoy = Envoy(tmp_path, ext, [sim_port], source=ROOT / "envoy" / "envoy-track-output.yaml")
