@@ -44,8 +44,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -352,7 +352,10 @@ async def run(
         unloaded_p99 = percentile([o.ttft or 0 for o in solo[1:]], 99) * 1e3
         log(f"unloaded: TTFT p50 {unloaded_p50:.1f} ms, p99 {unloaded_p99:.1f} ms")
         await overload.wait_idle(session, stack.sim_ports, 30)
-        capacity = cfg.capacity or await sweep_capacity(session, stack, cfg, rng)
+        capacity = (
+            cfg.capacity
+            or (await overload.sweep_capacity(session, stack, cfg, rng))[1]["completed_rps"]
+        )
         log(f"capacity {capacity:.2f} req/s")
 
         stack.thresholds(True)
@@ -402,23 +405,6 @@ async def run(
         cells=cells,
         seconds=time.monotonic() - started,
     )
-
-
-async def sweep_capacity(
-    session: aiohttp.ClientSession, stack: Stack, cfg: Config, rng: random.Random
-) -> float:
-    """The overload benchmark's knee: closed loop, thresholds off."""
-    sweep: list[float] = []
-    for concurrency in overload.sweep_levels(cfg):
-        outcomes = await overload.closed_loop(
-            session, stack.url, cfg, concurrency, cfg.sweep_seconds, rng, stagger=1.0
-        )
-        warm = cfg.sweep_seconds * 0.4
-        done = [o for o in outcomes if o.finished and o.arrival + (o.e2e or 0) >= warm]
-        sweep.append(len(done) / (cfg.sweep_seconds - warm))
-        log(f"sweep c={concurrency}: {sweep[-1]:.2f} completed req/s")
-        await overload.wait_idle(session, stack.sim_ports, 30)
-    return next(s for s in sweep if s >= 0.95 * max(sweep))
 
 
 # --- targets and report ----------------------------------------------------------------------
@@ -569,6 +555,18 @@ x offered <= 1):
 COLORS = {"critical": "tab:green", "standard": "tab:blue", "sheddable": "tab:orange"}
 
 
+def _per_class(ax: Any, res: MixedResults, value: Callable[[ClassCell], float]) -> None:
+    """One line per class and client kind (never retry, retrying) against the load."""
+    modes = {NO_RETRY: ("no retry", "-", "o"), RETRY: ("retrying", "--", "s")}
+    for mode, (label, style, marker) in modes.items():
+        cells = sorted((c for c in res.cells if c.mode == mode), key=lambda c: c.load)
+        for name, _ in MIX:
+            ax.plot(
+                [c.load for c in cells], [value(c.of(name)) for c in cells],
+                marker=marker, linestyle=style, color=COLORS[name], label=f"{name}, {label}",
+            )  # fmt: skip
+
+
 def plot(res: MixedResults, out: Path) -> list[Path]:
     import matplotlib
 
@@ -576,55 +574,37 @@ def plot(res: MixedResults, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths: list[Path] = []
-    modes = {NO_RETRY: ("no retry", "-", "o"), RETRY: ("retrying", "--", "s")}
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for mode, (label, style, marker) in modes.items():
-        cells = sorted((c for c in res.cells if c.mode == mode), key=lambda c: c.load)
-        for name, _ in MIX:
-            ax.plot(
-                [c.load for c in cells], [100 * c.of(name).admitted_ratio for c in cells],
-                marker=marker, linestyle=style, color=COLORS[name], label=f"{name}, {label}",
-            )  # fmt: skip
-    ax.axhline(95, color="grey", linestyle=":", label="95 %")
-    ax.set_xscale("log")
-    ax.set_xlabel("offered load (x capacity, log)")
-    ax.set_ylabel("requests admitted (%)")
-    ax.set_title("Admitted per class against offered load")
-    ax.set_ylim(0, 105)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "classes-admitted.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for mode, (label, style, marker) in modes.items():
-        cells = sorted((c for c in res.cells if c.mode == mode), key=lambda c: c.load)
-        for name, _ in MIX:
-            ax.plot(
-                [c.load for c in cells], [c.of(name).ttft_p99_ms for c in cells],
-                marker=marker, linestyle=style, color=COLORS[name], label=f"{name}, {label}",
-            )  # fmt: skip
-    alone = sorted((c for c in res.cells if c.mode == ALONE), key=lambda c: c.load)
-    if alone:
-        ax.plot(
-            [c.load for c in alone], [c.of("critical").ttft_p99_ms for c in alone],
-            marker="^", linestyle=":", color="black", label="critical alone",
-        )  # fmt: skip
-    ax.axhline(1.5 * res.unloaded_ttft_p99_ms, color="grey", linestyle=":",
-               label="1.5 x unloaded p99")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_xlabel("offered load (x capacity, log)")
-    ax.set_ylabel("TTFT p99 of admitted requests (ms)")
-    ax.set_title("TTFT p99 per class against offered load")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "classes-ttft.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    for name, title, ylabel, value in (
+        ("classes-admitted.png", "Admitted per class against offered load",
+         "requests admitted (%)", lambda c: 100 * c.admitted_ratio),
+        ("classes-ttft.png", "TTFT p99 per class against offered load",
+         "TTFT p99 of admitted requests (ms)", lambda c: c.ttft_p99_ms),
+    ):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        _per_class(ax, res, value)
+        if name == "classes-admitted.png":
+            ax.axhline(95, color="grey", linestyle=":", label="95 %")
+            ax.set_ylim(0, 105)
+        else:
+            alone = sorted((c for c in res.cells if c.mode == ALONE), key=lambda c: c.load)
+            if alone:
+                ax.plot(
+                    [c.load for c in alone], [c.of("critical").ttft_p99_ms for c in alone],
+                    marker="^", linestyle=":", color="black", label="critical alone",
+                )  # fmt: skip
+            ax.axhline(1.5 * res.unloaded_ttft_p99_ms, color="grey", linestyle=":",
+                       label="1.5 x unloaded p99")  # fmt: skip
+            ax.set_ylim(bottom=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("offered load (x capacity, log)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     return paths
 
 
@@ -691,14 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with overload.started_stack(cfg, ["--classes-file", str(path)]) as stack:
             log(f"stack up: envoy {stack.envoy.url}, workers {stack.sim_ports}")
             results = asyncio.run(run(cfg, retry, flat, stack, classes_yaml, command))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "classes-results.json").write_text(
-        json.dumps(asdict(results), indent=2, default=str) + "\n"
-    )
-    report = markdown(results)
-    (out / "classes-results.md").write_text(report)
-    plot(results, out)
-    print(report)
+    overload.write_results(out, "classes", results, markdown(results), plot)
     return 0
 
 

@@ -33,7 +33,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -484,22 +484,11 @@ async def run(cfg: Config, stack: Stack, command: str) -> Results:
         await wait_idle(session, stack.sim_ports, 30)
 
         # 2. capacity: closed-loop sweep, thresholds off
-        sweep: list[dict[str, float]] = []
-        for concurrency in [] if cfg.capacity else sweep_levels(cfg):
-            outcomes = await closed_loop(
-                session, stack.url, cfg, concurrency, cfg.sweep_seconds, rng, stagger=1.0
-            )
-            warm = cfg.sweep_seconds * 0.4  # the engine fills up, then preempts: skip that
-            done = [o for o in outcomes if o.finished and o.arrival + (o.e2e or 0) >= warm]
-            rps = len(done) / (cfg.sweep_seconds - warm)
-            sweep.append({"concurrency": concurrency, "completed_rps": rps})
-            log(f"sweep c={concurrency}: {rps:.2f} completed req/s")
-            await wait_idle(session, stack.sim_ports, 30)
         if cfg.capacity:
+            sweep: list[dict[str, float]] = []
             knee = {"concurrency": 0, "completed_rps": cfg.capacity}
         else:
-            best = max(s["completed_rps"] for s in sweep)
-            knee = next(s for s in sweep if s["completed_rps"] >= 0.95 * best)
+            sweep, knee = await sweep_capacity(session, stack, cfg, rng)
         capacity = knee["completed_rps"]
         log(
             f"capacity {capacity:.2f} req/s"
@@ -547,6 +536,26 @@ async def run(cfg: Config, stack: Stack, command: str) -> Results:
         cells=cells,
         seconds=time.monotonic() - started,
     )
+
+
+async def sweep_capacity(
+    session: aiohttp.ClientSession, stack: Stack, cfg: Config, rng: random.Random
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Closed loop at each of :func:`sweep_levels` (thresholds as they are): every level's
+    completed req/s, and the knee (the smallest concurrency within 5 % of the best)."""
+    sweep: list[dict[str, float]] = []
+    for concurrency in sweep_levels(cfg):
+        outcomes = await closed_loop(
+            session, stack.url, cfg, concurrency, cfg.sweep_seconds, rng, stagger=1.0
+        )
+        warm = cfg.sweep_seconds * 0.4  # the engine fills up, then preempts: skip that
+        done = [o for o in outcomes if o.finished and o.arrival + (o.e2e or 0) >= warm]
+        rps = len(done) / (cfg.sweep_seconds - warm)
+        sweep.append({"concurrency": concurrency, "completed_rps": rps})
+        log(f"sweep c={concurrency}: {rps:.2f} completed req/s")
+        await wait_idle(session, stack.sim_ports, 30)
+    best = max(s["completed_rps"] for s in sweep)
+    return sweep, next(s for s in sweep if s["completed_rps"] >= 0.95 * best)
 
 
 def sweep_levels(cfg: Config) -> list[int]:
@@ -798,15 +807,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     with started_stack(cfg) as stack:
         log(f"stack up: envoy {stack.envoy.url}, workers {stack.sim_ports}")
         results = asyncio.run(run(cfg, stack, command))
+    write_results(out, "overload", results, markdown(results), plot)
+    return 0
+
+
+def write_results(
+    out: Path, name: str, results: Any, report: str, plot: Callable[[Any, Path], object]
+) -> None:
+    """``<name>-results.json`` and ``.md`` and the plots under ``out``; the report printed."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "overload-results.json").write_text(
+    (out / f"{name}-results.json").write_text(
         json.dumps(asdict(results), indent=2, default=str) + "\n"
     )
-    report = markdown(results)
-    (out / "overload-results.md").write_text(report)
+    (out / f"{name}-results.md").write_text(report)
     plot(results, out)
     print(report)
-    return 0
 
 
 if __name__ == "__main__":

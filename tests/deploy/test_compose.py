@@ -77,32 +77,25 @@ def _help_lists(help_text: str, flag: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
 
-def test_compose_config_is_valid() -> None:
+def _docker_compose(*args: str) -> str:
+    """``docker-compose <args>`` from the repo (skips without it); its stdout."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose not installed (Debian: apt-get install -y docker-compose)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     proc = subprocess.run(
-        [binary, "-f", str(COMPOSE), "config", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
+        [binary, *args], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_compose_config_is_valid() -> None:
+    _docker_compose("-f", str(COMPOSE), "config", "-q")
     # The loadtest profile is valid too.
-    proc = subprocess.run(
-        [binary, "-f", str(COMPOSE), "--profile", "loadtest", "config", "--services"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    services = _docker_compose("-f", str(COMPOSE), "--profile", "loadtest", "config", "--services")
     # docker-compose 1.29 lists every service here, whatever the profile.
-    assert set(proc.stdout.split()) == {
+    assert set(services.split()) == {
         "extproc",
         "worker",
         "envoy",
@@ -134,22 +127,10 @@ def test_classes_override_in_the_docs_is_valid(
             monkeypatch.delenv(key)
     monkeypatch.setenv("EXTPROC_CLASSES_FILE", str(ROOT / source))
     assert load_settings([]).classes_file == str(ROOT / source)
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        pytest.skip("docker-compose not installed (Debian: apt-get install -y docker-compose)")
     override = tmp_path / "docker-compose.override.yml"
     override.write_text(_classes_override())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    proc = subprocess.run(
-        [binary, "-f", str(COMPOSE), "-f", str(override), "config"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    merged = yaml.safe_load(proc.stdout)["services"]["extproc"]
+    config = _docker_compose("-f", str(COMPOSE), "-f", str(override), "config")
+    merged = yaml.safe_load(config)["services"]["extproc"]
     assert merged["environment"]["EXTPROC_CLASSES_FILE"] == target
     assert merged["environment"]["DYN_ROUTER_MODE"] == "kv"  # the base file's, kept
 
