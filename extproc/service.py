@@ -200,6 +200,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
         metrics,
         overload_status=settings.overload_status,
+        worker_busy_statuses=settings.worker_busy_statuses,
         queue=queue,
         tokenizer=tokenizer,
         classes=classes,
@@ -246,7 +247,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     parts.callback(sweeper.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
-        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; replica %s%s",
+        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; worker busy "
+        "statuses %s; replica %s%s",
         address,
         settings.grpc_server,
         settings.admin_host,
@@ -257,6 +259,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_prefill_tokens_threshold,
         settings.active_prefill_tokens_threshold_frac,
         settings.overload_status,
+        ",".join(map(str, settings.worker_busy_statuses)) or "off",
         pool.replica_id,
         f" sharing via {', '.join(settings.replica_publish)}" if sharing else " (not sharing)",
     )

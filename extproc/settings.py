@@ -150,6 +150,29 @@ def _items(v: Any) -> list[str]:
     return out
 
 
+def _statuses(v: Any) -> Any:
+    """Comma-separated HTTP statuses, each 100-999 and not 2xx; empty or none: off."""
+    if isinstance(v, tuple):
+        return v
+    text = _off(v)
+    if text is None:
+        return ()
+    codes: set[int] = set()
+    for item in str(text).split(","):
+        item = item.strip()
+        if not (len(item) == 3 and item.isascii() and item.isdigit() and item[0] != "0"):
+            raise ValueError(
+                f"expected comma-separated HTTP statuses 100-999 (like 429,503), or empty to "
+                f"turn this off; {item!r} is not one"
+            )
+        if item[0] == "2":
+            raise ValueError(
+                f"expected non-2xx HTTP statuses (like 429,503); {item} is a success, not a refusal"
+            )
+        codes.add(int(item))
+    return tuple(sorted(codes))
+
+
 def _overload(v: Any) -> OverloadStatus:
     if isinstance(v, OverloadStatus):
         return v
@@ -285,6 +308,21 @@ class Settings(BaseSettings):
         f"HTTP status of rejections, 200-999; anything else means {DEFAULT_OVERLOAD_STATUS} "
         "with a warning. Default: 529",
         expected="an integer in 200-999",
+    )
+
+    worker_busy_statuses: Annotated[tuple[int, ...], NoDecode, BeforeValidator(_statuses)] = (
+        setting(
+            (429, 503),
+            "--worker-busy-statuses",
+            "EXTPROC_WORKER_BUSY_STATUSES",
+            "busy",
+            "comma-separated HTTP statuses a worker answers when it refuses work (vLLM's queue "
+            "limits, llama-server without a free slot): retried on the listed fallbacks, then "
+            "the overload reply, the worker skipped for up to 1 s; 529 and x-worker-overloaded: "
+            "1 always count; empty turns the list off. Default: 429,503",
+            metavar="STATUSES",
+            expected="comma-separated HTTP statuses 100-999, not 2xx, or empty to turn off",
+        )
     )
 
     # router ---------------------------------------------------------------------------

@@ -365,3 +365,49 @@ def test_curve_replica_and_classes_settings(tmp_path: Path) -> None:
     bad.write_text("default: a\nclasses: [\n")
     with pytest.raises(SettingsError, match="not valid YAML at line 3"):
         load_settings([], {"EXTPROC_CLASSES_FILE": str(bad)})
+
+
+def test_worker_busy_statuses_default_list_and_off() -> None:
+    assert load_settings([], {}).worker_busy_statuses == (429, 503)
+    env = {"EXTPROC_WORKER_BUSY_STATUSES": " 503, 429 ,503,408 "}
+    assert load_settings([], env).worker_busy_statuses == (408, 429, 503)
+    for off in ("", "  ", "none", "None"):
+        s = load_settings([], {"EXTPROC_WORKER_BUSY_STATUSES": off})
+        assert s.worker_busy_statuses == ()
+    # The flag wins over the variable, an empty flag included.
+    assert load_settings(["--worker-busy-statuses", "500"], env).worker_busy_statuses == (500,)
+    assert load_settings(["--worker-busy-statuses", ""], env).worker_busy_statuses == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--worker-busy-statuses", "503,abc"], {}, "--worker-busy-statuses value '503,abc'"),
+        (["--worker-busy-statuses", "99"], {}, "'99' is not one"),
+        (["--worker-busy-statuses", "1000"], {}, "'1000' is not one"),
+        (["--worker-busy-statuses", "503.0"], {}, "'503.0' is not one"),
+        (["--worker-busy-statuses", "-503"], {}, "'-503' is not one"),
+        (["--worker-busy-statuses", "429,,503"], {}, "'' is not one"),
+        ([], {"EXTPROC_WORKER_BUSY_STATUSES": "200"}, "EXTPROC_WORKER_BUSY_STATUSES value '200'"),
+        ([], {"EXTPROC_WORKER_BUSY_STATUSES": "429;503"}, "'429;503' is not one"),
+    ],
+)
+def test_bad_worker_busy_statuses_name_the_source_and_value(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError) as exc:
+        load_settings(argv, env)
+    assert message in str(exc.value)
+    assert "expected" in str(exc.value)
+
+
+def test_bad_worker_busy_statuses_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "extproc", "--worker-busy-statuses", "503,5xx"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--worker-busy-statuses value '503,5xx'" in proc.stderr
+    assert "'5xx' is not one" in proc.stderr

@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
-from extproc.core.pool import Ticket, Worker, WorkerPool
+from extproc.core.pool import Ticket, WorkerPool
 from extproc.core.scheduling import QUEUED, Decision, Outcome, Queued, Rejected, Routed, Scheduler
 from extproc.handlers import replies
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
@@ -65,6 +65,7 @@ class _Stream:
     __slots__ = (
         "cls",
         "endpoint_label",
+        "fallbacks",
         "model",
         "phase",
         "prompt_tokens",
@@ -77,6 +78,7 @@ class _Stream:
     def __init__(self) -> None:
         self.cls: RequestClass | None = None
         self.endpoint_label: str | None = None
+        self.fallbacks: tuple[str, ...] = ()  # endpoints Envoy retries a refusal on
         self.model = ""
         self.phase = "request_body"
         self.prompt_tokens = 0
@@ -96,6 +98,7 @@ class ExtProcHandler:
         metrics: Metrics,
         *,
         overload_status: int = 529,
+        worker_busy_statuses: Collection[int] = (429, 503),
         queue: RouterQueue | None = None,
         tokenizer: PromptTokenizer | None = None,
         classes: ClassRegistry | None = None,
@@ -107,7 +110,8 @@ class ExtProcHandler:
         self.tokenizer = tokenizer
         self.queue = queue
         self.clock = clock
-        self.replies = replies.Replies(overload_status)
+        self.replies = replies.Replies(overload_status, tuple(sorted(worker_busy_statuses)))
+        self._busy_statuses = frozenset(worker_busy_statuses)
         # While a request waits in the router queue Envoy must not time the message out.
         self._extend_timeout = replies.extend_timeout(
             int(queue.timeout) + 2 if queue is not None else 1
@@ -321,6 +325,7 @@ class ExtProcHandler:
         self.metrics.outcome[decision.outcome.value].inc()
         if type(decision) is Routed:
             ticket = st.ticket = decision.ticket
+            st.fallbacks = decision.fallbacks
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
@@ -360,12 +365,11 @@ class ExtProcHandler:
                 unreachable = True
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
                 st.stream = True  # decided on the headers: the body's "stream" was not read
-        if (flagged and not 200 <= status < 300) or status == 529:
-            self._worker_rejected(st, ticket.worker)
-            self.pool.release(ticket)
-            return self.replies.overload(1, "worker_overloaded", st.cls)
-        if unreachable and status >= 500:
-            return self._worker_unreachable(st, ticket)
+        if not 200 <= status < 300:
+            if unreachable and status >= 500:
+                return self._worker_unreachable(st, ticket)
+            if flagged or status == 529 or status in self._busy_statuses:
+                return self._worker_rejected(st, ticket)
         if msg.end_of_stream:
             self.pool.release(ticket)
         elif st.stream and not self._observed and 200 <= status < 300:
@@ -390,10 +394,19 @@ class ExtProcHandler:
         )  # fmt: skip
         return self.replies.overload(self.pool.retry_after(st.model), "worker_unreachable", st.cls)
 
-    def _worker_rejected(self, st: _Stream, worker: Worker) -> None:
-        """A worker-side rejection: skip that worker for a while, count it as ours."""
-        self.pool.mark_overloaded(worker)
+    def _worker_rejected(self, st: _Stream, ticket: Ticket) -> bytes:
+        """A worker-side rejection that Envoy's retries did not absorb: the pick and every
+        fallback Envoy retried it on refused, so each is skipped until its next load report
+        or 1 s; counted and answered as our own overload reply."""
+        self.pool.mark_overloaded(ticket.worker)
+        by_endpoint = self.pool.by_endpoint
+        for endpoint in st.fallbacks:
+            worker = by_endpoint.get((endpoint, st.model))
+            if worker is not None:
+                self.pool.mark_overloaded(worker)
+        self.pool.release(ticket)
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
+        return self.replies.overload(1, "worker_overloaded", st.cls)
 
     def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
         ticket = st.ticket

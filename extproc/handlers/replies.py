@@ -23,6 +23,10 @@ from extproc.openai.errors import error_body
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
+# Statuses Envoy retries besides the route's own (retry_on: retriable-status-codes): the
+# worker statuses that mean "busy". Envoy drops a client's copy of the header (external
+# requests) and never forwards it upstream; the extproc sets or removes it on every route.
+RETRIABLE_STATUSES_HEADER = "x-envoy-retriable-status-codes"
 # Routing replies kept (one per endpoint and fallback list); cleared when exceeded.
 ROUTE_CACHE = 4096
 MAX_RETRY_AFTER = 60
@@ -63,7 +67,10 @@ def immediate(
 
 
 def routing_reply(
-    endpoint: str, fallbacks: tuple[str, ...] = (), phase: str = "request_body"
+    endpoint: str,
+    fallbacks: tuple[str, ...] = (),
+    phase: str = "request_body",
+    busy_statuses: tuple[int, ...] = (),
 ) -> bytes:
     """Continue upstream to ``endpoint``: envoy.lb metadata and the destination header.
 
@@ -71,24 +78,34 @@ def routing_reply(
     policy tries them in order when the route retries a worker-side rejection.
     ``x-envoy-max-retries`` caps the retries at the hosts listed, so a retry never
     falls through to the cluster's fallback policy (a worker of another model).
-    ``phase`` is the message answered: ``request_body``, or ``request_headers`` when the
-    decision was made on the headers (the model forwarded as metadata).
+    ``busy_statuses`` go in ``x-envoy-retriable-status-codes``, so Envoy retries them as
+    it retries a 529; with none the header is removed. ``phase`` is the message
+    answered: ``request_body``, or ``request_headers`` when the decision was made on the
+    headers (the model forwarded as metadata).
     """
     overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     meta = struct_pb2.Struct()
     meta.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join((endpoint, *fallbacks))}})
-    common = ep.CommonResponse(
-        header_mutation=ep.HeaderMutation(
-            set_headers=[
-                base_pb2.HeaderValueOption(
-                    header=_header(DESTINATION_HEADER, endpoint), append_action=overwrite
-                ),
-                base_pb2.HeaderValueOption(
-                    header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))),
-                    append_action=overwrite,
-                ),
-            ]
+    set_headers = [
+        base_pb2.HeaderValueOption(
+            header=_header(DESTINATION_HEADER, endpoint), append_action=overwrite
+        ),
+        base_pb2.HeaderValueOption(
+            header=_header(MAX_RETRIES_HEADER, str(len(fallbacks))), append_action=overwrite
+        ),
+    ]
+    remove_headers: list[str] = []
+    if busy_statuses:
+        statuses = ",".join(map(str, busy_statuses))
+        set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=_header(RETRIABLE_STATUSES_HEADER, statuses), append_action=overwrite
+            )
         )
+    else:
+        remove_headers.append(RETRIABLE_STATUSES_HEADER)
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
     )
     if phase == "request_headers":
         return _serialize(
@@ -184,8 +201,9 @@ def bad_request(message: str) -> bytes:
 class Replies:
     """The replies that depend on settings or state, each serialized once."""
 
-    def __init__(self, overload_status: int) -> None:
+    def __init__(self, overload_status: int, busy_statuses: tuple[int, ...] = ()) -> None:
         self.overload_status = overload_status
+        self.busy_statuses = busy_statuses
         self._overloads: dict[tuple[int, int, str, str], bytes] = {}
         self._routes: dict[tuple[str, ...], bytes] = {}
         self._models: tuple[tuple[str, ...], bytes] | None = None
@@ -225,7 +243,9 @@ class Replies:
         if reply is None:
             if len(self._routes) >= ROUTE_CACHE:
                 self._routes.clear()
-            reply = self._routes[key] = routing_reply(endpoint, fallbacks, phase)
+            reply = self._routes[key] = routing_reply(
+                endpoint, fallbacks, phase, self.busy_statuses
+            )
         return reply
 
     def models(self, models: tuple[str, ...]) -> bytes:

@@ -39,9 +39,13 @@ class Clock:
 HALF = BusyThresholds(0.5)
 
 
-def make(th: BusyThresholds = HALF, status: int = 529) -> ExtProcHandler:
+def make(
+    th: BusyThresholds = HALF, status: int = 529, busy_statuses: tuple[int, ...] = (429, 503)
+) -> ExtProcHandler:
     pool = WorkerPool(th, clock=Clock())
-    return ExtProcHandler(pool, Scheduler(pool), Metrics(), overload_status=status)
+    return ExtProcHandler(
+        pool, Scheduler(pool), Metrics(), overload_status=status, worker_busy_statuses=busy_statuses
+    )
 
 
 def headers(
@@ -152,7 +156,9 @@ def test_routed_sets_header_and_metadata_and_close_releases_the_estimate() -> No
     assert {h.header.key: h.header.raw_value for h in mutation.set_headers} == {
         DESTINATION_HEADER: b"127.0.0.1:1",
         "x-envoy-max-retries": b"0",
+        "x-envoy-retriable-status-codes": b"429,503",
     }
+    assert list(mutation.remove_headers) == []
     meta = resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
     assert meta[DESTINATION_HEADER].string_value == "127.0.0.1:1"
     rank = pool.workers["a"].ranks[0]
@@ -226,13 +232,103 @@ def test_envoys_own_reply_to_an_unreachable_worker_becomes_the_overload_reply() 
     session = handler.open_session({})
     status, hdrs, _ = local(reply(session, headers(CHAT, read="m", extra={"content-length": "4"})))
     assert (status, hdrs["x-shed-reason"]) == (529, "worker_unreachable")
-    # A 503 that the worker itself sent (no x-upstream-failure) is passed on as it is.
+    # A 503 that the worker itself sent (no x-upstream-failure) is a refusal, not a fault.
     worker.overloaded_until = worker.unreachable_until = 0.0
     session = handler.open_session({})
     reply(session, headers(CHAT, read="m", extra={"content-length": "4"}))
-    resp = reply(session, response_headers(503))
-    assert resp.WhichOneof("response") == "response_headers"
+    status, hdrs, _ = local(reply(session, response_headers(503)))
+    assert (status, hdrs["x-shed-reason"]) == (529, "worker_overloaded")
     assert counter(handler, "extproc_worker_unreachable_total", model="m") == 1
+
+
+def routed_session(handler: ExtProcHandler) -> RequestSession:
+    """A chat request of model ``m``, routed (decided on its headers)."""
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    resp = reply(session, headers(CHAT, read="m", extra={"content-length": "40"}))
+    assert resp.WhichOneof("response") == "request_headers", resp
+    return session
+
+
+@pytest.mark.parametrize("status", [429, 503, 529])
+def test_a_busy_status_from_the_worker_is_the_overload_reply(status: int) -> None:
+    """The default list (429, 503) and 529 mean "busy": the overload reply, counted, and the
+    pick and every fallback Envoy retried on are skipped until their next load report."""
+    handler = make(BusyThresholds())
+    pool = handler.pool
+    for name, port in (("a", 1), ("b", 2), ("c", 3)):
+        pool.announce(name, model="m", endpoint=f"127.0.0.1:{port}", kv_total_blocks=100)
+    pool.announce("x", model="other", endpoint="127.0.0.1:2", kv_total_blocks=100)
+    session = routed_session(handler)
+    resp = reply(session, response_headers(status, extra={"content-type": "application/json"}))
+    got, hdrs, payload = local(resp)
+    assert (got, payload["code"], hdrs["retry-after"]) == (529, 529, "1")
+    assert hdrs["x-shed-reason"] == "worker_overloaded"
+    now = pool.clock()
+    assert {w.worker_id: w.state(now) for w in pool.workers.values()} == {
+        "a": "overloaded",
+        "b": "overloaded",
+        "c": "overloaded",
+        "x": "free",  # same endpoint, another model: not among the fallbacks
+    }
+    assert all(r.inflight == 0 for w in pool.workers.values() for r in w.ranks)
+    assert counter(handler, "extproc_worker_unreachable_total", model="m") == 0
+    key = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **key) == 1
+    # The next decision skips them all; a load report lifts a mark at once.
+    again = headers(CHAT, read="m", extra={"content-length": "40"})
+    status_now, hdrs, _ = local(reply(handler.open_session({}), again))
+    assert (status_now, hdrs["x-shed-reason"]) == (529, "worker_overloaded")
+    pool.report_load("b", active_decode_blocks=0)
+    assert pool.workers["b"].state(pool.clock()) == "free"
+
+
+@pytest.mark.parametrize("status", [200, 204, 400, 404, 500, 502])
+def test_other_worker_statuses_pass_through(status: int) -> None:
+    handler = make(BusyThresholds())
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = routed_session(handler)
+    resp = reply(session, response_headers(status))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert handler.pool.workers["a"].state(handler.pool.clock()) == "free"
+
+
+def test_a_2xx_with_the_overloaded_header_passes_through() -> None:
+    handler = make(BusyThresholds())
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = routed_session(handler)
+    resp = reply(session, response_headers(200, extra={"x-worker-overloaded": "1"}))
+    assert resp.WhichOneof("response") == "response_headers"
+
+
+def test_a_custom_list_replaces_the_default() -> None:
+    handler = make(BusyThresholds(), busy_statuses=(408, 500))
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    resp = reply(routed_session(handler), response_headers(503))
+    assert resp.WhichOneof("response") == "response_headers"  # not in the list
+    session = handler.open_session({})
+    reply(session, headers(CHAT))
+    routed = reply(session, body({"model": "m", "prompt": "x"}))
+    mutation = routed.request_body.response.header_mutation
+    sent = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+    assert sent["x-envoy-retriable-status-codes"] == b"408,500"
+    assert local(reply(session, response_headers(500)))[0] == 529
+
+
+def test_an_empty_list_passes_a_workers_503_and_removes_the_retry_header() -> None:
+    handler = make(BusyThresholds(), busy_statuses=())
+    handler.pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    routed = reply(session, headers(CHAT, read="m", extra={"content-length": "40"}))
+    mutation = routed.request_headers.response.header_mutation
+    assert "x-envoy-retriable-status-codes" not in {h.header.key for h in mutation.set_headers}
+    assert list(mutation.remove_headers) == ["x-envoy-retriable-status-codes"]
+    for status in (503, 429):
+        resp = reply(routed_session(handler), response_headers(status))
+        assert resp.WhichOneof("response") == "response_headers"
+    # 529 and the header still mean busy.
+    assert local(reply(session, response_headers(529)))[0] == 529
 
 
 def test_models_list_is_answered_from_discovered_models() -> None:
@@ -309,7 +405,9 @@ def test_model_read_from_the_body_prefix_is_decided_on_the_headers() -> None:
     assert {h.header.key: h.header.raw_value for h in mutation.set_headers} == {
         DESTINATION_HEADER: b"127.0.0.1:1",
         "x-envoy-max-retries": b"0",
+        "x-envoy-retriable-status-codes": b"429,503",
     }
+    assert list(mutation.remove_headers) == []
     meta = resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
     assert meta[DESTINATION_HEADER].string_value == "127.0.0.1:1"
     rank = pool.workers["a"].ranks[0]
