@@ -187,7 +187,7 @@ def test_a_busy_status_mark_expires_within_a_second(stack: Stack) -> None:
     assert (got, headers["x-shed-reason"]) == (529, "worker_overloaded")
     marked = time.monotonic()
     assert set(states(stack, "lapse", "ab").values()) == {"overloaded"}
-    wait_until(lambda: set(states(stack, "lapse", "ab").values()) == {"free"}, 3, "marks expired")
+    wait_until(lambda: set(states(stack, "lapse", "ab").values()) == {"free"}, 5, "marks expired")
     elapsed = time.monotonic() - marked
     assert 0.5 <= elapsed <= 2.5, elapsed  # 1 s, polled through the admin API
     got, headers, _ = http("POST", stack.envoy.url + URL, req("lapse"))
