@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
@@ -120,3 +124,188 @@ def test_demo_outside_a_checkout_says_it_needs_one(tmp_path: Path) -> None:
     assert "runs from a checkout of the repository (`make demo`" in run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+# --- a worker dies in the running demo ------------------------------------------------------
+
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}]}
+OVERLOAD_BODY = {"message": "Service temporarily overloaded", "type": "Overloaded", "code": 529}
+
+
+class Demo:
+    """``python -m extproc.devstack --free-ports`` as a subprocess, its output read as it comes."""
+
+    def __init__(self, logs: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "extproc.devstack", "--free-ports", "--logs", str(logs), *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        banner = self.wait_line(r"Stack is up: Envoy http://localhost:(\d+) .*admin :(\d+)", 90)
+        self.url = f"http://127.0.0.1:{banner[1]}"
+        self.admin = f"http://127.0.0.1:{banner[2]}"
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_line(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        """The first output line from ``start`` on that matches ``pattern``."""
+
+        def found() -> re.Match[str] | None:
+            for line in self.lines[start:]:
+                if match := re.search(pattern, line):
+                    return match
+            assert self.proc.poll() is None or self._reader.is_alive(), self.output()
+            return None
+
+        try:
+            return wait_until(found, timeout, f"a line matching {pattern!r}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\noutput:\n{self.output()}") from None
+
+    def children(self) -> dict[str, int]:
+        """The stack's processes by name: extproc, envoy, and each worker by its id."""
+        named: dict[str, int] = {}
+        for pid in _children(self.proc.pid):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                args = [a.decode() for a in argv if a]
+                if "--worker-id" in args:
+                    named[args[args.index("--worker-id") + 1]] = pid
+                elif args[-2:] == ["-m", "extproc"] or "extproc" in args[1:3]:
+                    named["extproc"] = pid
+                elif Path(args[0]).name == "envoy":
+                    named["envoy"] = pid
+        return named
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        reply = json.loads(http("GET", self.admin + "/debug/workers")[2])
+        return {w["worker_id"]: w for w in reply["workers"]}
+
+    def chat(self) -> tuple[int, dict[str, str], bytes]:
+        return http("POST", self.url + "/v1/chat/completions", CHAT)
+
+    def stop(self) -> int:
+        """Ctrl-C; the exit code (everything is killed by PID if it does not stop)."""
+        running = _children(self.proc.pid)
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            for pid in [*running, self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait(10)
+            raise
+
+
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "zombie" in status.read_text().lower()
+    except OSError:
+        return True
+
+
+def _hold_stream(url: str) -> tuple[HTTPConnection, dict[str, str]]:
+    """A long streamed generation, left open: its worker keeps KV blocks in use."""
+    conn = HTTPConnection(url.removeprefix("http://"), timeout=30)
+    body = {**CHAT, "stream": True, "max_tokens": 3000}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"content-type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 200, (resp.status, resp.read())
+    return conn, {k.lower(): v for k, v in resp.getheaders()}
+
+
+def test_demo_keeps_serving_when_a_worker_dies_and_takes_it_back(tmp_path: Path) -> None:
+    """kill -9 of sim-1: the stack says so and keeps running; requests go to sim-2, a 529
+    (not Envoy's 503) when sim-2 is busy too, sim-1 leaves /debug/workers after its TTL,
+    and the printed command brings it back, where it is picked again."""
+    ttl = 4.0
+    demo = Demo(tmp_path, "--worker-ttl", str(ttl))
+    stream: HTTPConnection | None = None
+    try:
+        wait_until(lambda: {"sim-1", "sim-2"} <= set(demo.workers()), 30, "both workers known")
+        wait_until(lambda: demo.chat()[0] == 200, 20, "a routed request")
+        before = demo.children()
+        assert set(before) == {"extproc", "envoy", "sim-1", "sim-2"}, before
+
+        os.kill(before["sim-1"], signal.SIGKILL)
+        said = demo.wait_line(r"sim-1 exited \(killed by SIGKILL\); (.*) keep running", 10)
+        assert said[1] == "Envoy, the extproc and sim-2", said[0]
+        restart = demo.wait_line(r"Start it again:\s+(kill -USR1 \d+)", 5)[1]
+        assert restart == f"kill -USR1 {demo.proc.pid}"
+        wait_until(lambda: "sim-1" not in demo.children(), 10, "sim-1 reaped")
+        assert demo.children() == {k: v for k, v in before.items() if k != "sim-1"}
+        assert "sim-1" in demo.workers()  # still a candidate until its TTL
+
+        # Routed around the dead worker (Envoy retries the refused connection on sim-2).
+        for _ in range(8):
+            status, headers, reply = demo.chat()
+            assert (status, headers.get("x-worker-id")) == (200, "sim-2"), (status, reply)
+
+        # sim-2 busy too: a long generation on it and a strict KV check. None is left: 529.
+        stream, headers = _hold_stream(demo.url)
+        assert headers["x-worker-id"] == "sim-2"
+        strict = {"model": "sim-model", "active_decode_blocks_threshold": 0.0}
+        assert http("POST", demo.url + "/busy_threshold", strict)[0] == 200
+        wait_until(lambda: demo.workers()["sim-2"]["state"] == "busy", 10, "sim-2 busy")
+        status, headers, reply = demo.chat()
+        assert status == 529, (status, headers, reply)  # not Envoy's 503 for the dead sim-1
+        assert json.loads(reply) == OVERLOAD_BODY
+        assert headers["retry-after"].isdigit()
+
+        # Dropped after its TTL; sim-2 stays, and the answer is still the overload reply.
+        wait_until(lambda: "sim-1" not in demo.workers(), ttl + 10, "sim-1 dropped")
+        assert demo.workers()["sim-2"]["state"] == "busy"
+        status, _, reply = demo.chat()
+        assert (status, json.loads(reply)) == (529, OVERLOAD_BODY)
+
+        # The printed command starts it again, under the stack; it is picked again.
+        subprocess.run(shlex.split(restart), check=True, timeout=10)
+        back = demo.wait_line(r"sim-1 started again on :\d+ \(pid (\d+)\)", 30)
+        assert demo.children()["sim-1"] == int(back[1])
+        wait_until(lambda: demo.workers().get("sim-1", {}).get("state") == "free", 15,
+                   "sim-1 known and free again")  # fmt: skip
+        status, headers, reply = demo.chat()
+        assert (status, headers.get("x-worker-id")) == (200, "sim-1"), (status, reply)
+        stream.close()
+        stream = None
+        after = demo.children()
+        assert demo.proc.poll() is None
+    finally:
+        if stream is not None:
+            stream.close()
+        rc = demo.stop()
+    assert rc == 0, demo.output()
+    for pid in after.values():
+        wait_until(lambda pid=pid: _gone(pid), 15, f"child {pid} stopped")
+
+
+def test_demo_stops_when_envoy_dies(tmp_path: Path) -> None:
+    """Without Envoy the stack cannot serve: it stops, says why, and leaves nothing behind."""
+    demo = Demo(tmp_path)
+    try:
+        children = demo.children()
+        assert set(children) == {"extproc", "envoy", "sim-1", "sim-2"}, children
+        os.kill(children["envoy"], signal.SIGKILL)
+        said = demo.wait_line(r"stopped: envoy exited \(killed by SIGKILL\)", 10)
+        assert "everything stops" in said.string
+        rc = demo.proc.wait(30)
+    finally:
+        if demo.proc.poll() is None:
+            demo.stop()
+    assert rc == 1, demo.output()
+    for pid in children.values():
+        wait_until(lambda pid=pid: _gone(pid), 15, f"child {pid} stopped")
