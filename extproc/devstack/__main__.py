@@ -68,7 +68,7 @@ Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin 
   curl -s localhost:{p.envoy}/busy_threshold -H 'content-type: application/json' \\
        -d '{{"model":"{model}","active_decode_blocks_threshold":0.0}}'
 
-  # a worker dies: the others keep serving; this line starts it again
+  # a worker dies (the others keep serving), then starts again
   kill -9 {first_pid}
   kill -USR1 {pid}
 
@@ -108,6 +108,8 @@ def _worker_exited(slot: WorkerSlot, dead: Proc, slots: list[WorkerSlot], logs: 
 
 
 def _restart(slots: list[WorkerSlot], logs: Path) -> None:
+    if all(slot.running for slot in slots):
+        _say("SIGUSR1: every worker is running, none to start again")
     for slot in slots:
         if slot.running:
             continue
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     # is set here too: started from a script in the background it arrives ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    _Restart.requested = False
     signal.signal(signal.SIGUSR1, _Restart.request)
     logs = Path(args.logs) if args.logs else procs.ROOT / "run"
     logs.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import ROOT, http, wait_until
+from extproc.devstack.workers import exit_status
 
 PORTS = (8000, 9002, 9003, 9901, 8101, 8102)
 
@@ -188,7 +189,7 @@ class Demo:
                 args = [a.decode() for a in argv if a]
                 if "--worker-id" in args:
                     named[args[args.index("--worker-id") + 1]] = pid
-                elif args[-2:] == ["-m", "extproc"] or "extproc" in args[1:3]:
+                elif args[1:3] == ["-m", "extproc"]:
                     named["extproc"] = pid
                 elif Path(args[0]).name == "envoy":
                     named["envoy"] = pid
@@ -246,6 +247,9 @@ def test_demo_keeps_serving_when_a_worker_dies_and_takes_it_back(tmp_path: Path)
         wait_until(lambda: demo.chat()[0] == 200, 20, "a routed request")
         before = demo.children()
         assert set(before) == {"extproc", "envoy", "sim-1", "sim-2"}, before
+        os.kill(demo.proc.pid, signal.SIGUSR1)  # nothing to restart yet: it says so
+        demo.wait_line(r"SIGUSR1: every worker is running, none to start again", 10)
+        assert demo.children() == before
 
         os.kill(before["sim-1"], signal.SIGKILL)
         said = demo.wait_line(r"sim-1 exited \(killed by SIGKILL\); (.*) keep running", 10)
@@ -309,14 +313,15 @@ def test_demo_keeps_serving_when_a_worker_dies_and_takes_it_back(tmp_path: Path)
         wait_until(lambda pid=pid: _gone(pid), 15, f"child {pid} stopped")
 
 
-def test_demo_stops_when_envoy_dies(tmp_path: Path) -> None:
-    """Without Envoy the stack cannot serve: it stops, says why, and leaves nothing behind."""
+@pytest.mark.parametrize("part", ["envoy", "extproc"])
+def test_demo_stops_when_envoy_or_the_extproc_dies(tmp_path: Path, part: str) -> None:
+    """Without either the stack cannot serve: it stops, says why, and leaves nothing behind."""
     demo = Demo(tmp_path)
     try:
         children = demo.children()
         assert set(children) == {"extproc", "envoy", "sim-1", "sim-2"}, children
-        os.kill(children["envoy"], signal.SIGKILL)
-        said = demo.wait_line(r"stopped: envoy exited \(killed by SIGKILL\)", 10)
+        os.kill(children[part], signal.SIGKILL)
+        said = demo.wait_line(rf"stopped: {part} exited \(killed by SIGKILL\)", 10)
         assert "everything stops" in said.string
         rc = demo.proc.wait(30)
     finally:
@@ -325,3 +330,11 @@ def test_demo_stops_when_envoy_dies(tmp_path: Path) -> None:
     assert rc == 1, demo.output()
     for pid in children.values():
         wait_until(lambda pid=pid: _gone(pid), 15, f"child {pid} stopped")
+
+
+def test_exit_status_names_the_signal_or_the_code() -> None:
+    assert exit_status(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_status(-signal.SIGTERM) == "killed by SIGTERM"
+    assert exit_status(1) == "exit status 1"
+    assert exit_status(0) == "exit status 0"
+    assert exit_status(-200) == "killed by signal 200"
