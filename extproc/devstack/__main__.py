@@ -69,7 +69,7 @@ Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin 
        -d '{{"model":"{model}","active_decode_blocks_threshold":0.0}}'
 
   # a worker dies (the others keep serving), then starts again
-  kill -9 {first_pid}
+  kill -9 {first_pid}          # {first_id}
   kill -USR1 {pid}
 
 Logs: {logs}    Ctrl-C stops everything.
@@ -116,7 +116,7 @@ def _restart(slots: list[WorkerSlot], logs: Path) -> None:
         try:
             slot.start(logs)
         except AssertionError as exc:  # it exited again or did not serve in time
-            _say(f"{slot.worker_id} did not start again: {exc}\n  Log: {logs}")
+            _say(f"{slot.worker_id} did not start again: {exc}\n  Logs: {logs}")
             continue
         pids = ", ".join(str(p.pid) for p in slot.procs)
         _say(f"{slot.worker_id} started again on :{slot.port} (pid {pids})")
@@ -174,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         core.append(envoy.proc)
         workers = ", ".join(f"{s.worker_id} :{s.port}" for s in slots)
-        _say(USAGE.format(p=ports, model=args.model, logs=logs, workers=workers,
-                          first_pid=slots[0].procs[0].pid, pid=os.getpid()))  # fmt: skip
+        first = slots[0]
+        banner = USAGE.format(
+            p=ports, model=args.model, logs=logs, workers=workers, pid=os.getpid(),
+            first_id=first.worker_id, first_pid=first.procs[0].pid,
+        )  # fmt: skip
+        _say(banner)
         while True:
             stopped = next((p for p in core if not p.alive()), None)
             if stopped is not None:
