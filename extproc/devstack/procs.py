@@ -187,7 +187,8 @@ class Proc:
     ``log_dir`` None keeps the log in an anonymous temporary file. ``new_session`` puts
     the child in its own session, so that a terminal's Ctrl-C reaches only this process,
     which then stops its children itself (the demo). ``drop_env`` removes inherited
-    variables starting with any of these prefixes before ``env`` is added."""
+    variables starting with any of these prefixes before ``env`` is added. ``append_log``
+    keeps what an earlier process of the same name wrote to the log (a restart)."""
 
     def __init__(
         self,
@@ -198,11 +199,12 @@ class Proc:
         *,
         drop_env: Sequence[str] = (),
         new_session: bool = False,
+        append_log: bool = False,
     ) -> None:
         self.name = name
         self.log_path: Path | None = log_dir / f"{name}.log" if log_dir else None
         self._log: IO[bytes] = (
-            open(self.log_path, "wb")  # noqa: SIM115
+            open(self.log_path, "ab" if append_log else "wb")  # noqa: SIM115
             if self.log_path
             else tempfile.TemporaryFile()  # noqa: SIM115
         )
@@ -450,6 +452,7 @@ class _WorkerSide(Proc):
         name: str | None = None,
         keep_dyn_env: bool = False,
         new_session: bool = False,
+        append_log: bool = False,
     ) -> None:
         super().__init__(
             name or self.module.rsplit(".", 1)[-1],
@@ -458,6 +461,7 @@ class _WorkerSide(Proc):
             env,
             drop_env=() if keep_dyn_env else ("DYN_",),
             new_session=new_session,
+            append_log=append_log,
         )
 
 
