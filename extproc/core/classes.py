@@ -14,10 +14,20 @@ share): :meth:`ClassTable.variant` maps a request to the index the decision read
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from extproc.core.busy import DECODE, FULL_SHARE, PREFILL, PREFILL_FRAC, Share
 from extproc.core.pool import WorkerPool
@@ -28,7 +38,12 @@ MAX_SHARE = 10.0
 
 
 class ClassConfigError(ValueError):
-    """A class table that cannot be used; the message names the key and the value."""
+    """A class table that cannot be used; the message names the key and the value, and
+    ``loc`` is the key path (empty: the whole document)."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.loc = loc
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +96,9 @@ class ClassTable:
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
         if self.default not in names:
-            raise ClassConfigError(f"default: {self.default!r} is not one of the classes")
+            raise ClassConfigError(
+                f"default: {self.default!r} is not one of the classes", ("default",)
+            )
         ordered = [self.by_name(self.default)] + [c for c in self.classes if c.name != self.default]
         for i, c in enumerate(ordered):
             self._index[c.name] = i
@@ -152,123 +169,237 @@ class ClassTable:
 
 
 # ----- parsing and validation (pure: the file is read by the caller) -------------------
+#
+# The schema is a set of strict pydantic models: no string-to-number coercion, no booleans
+# for numbers, unknown keys refused. :func:`_problem` words pydantic's first error as
+# "<key path>: <value> is <problem>; expected <what>"; the error keeps the key path, so the
+# loader can add the line of the file it came from.
+
+Loc = tuple[str | int, ...]
+SHARE_EXPECTED = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
+_STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+ShareValue = Annotated[float, Field(gt=0.0, le=MAX_SHARE, allow_inf_nan=False)]
 
 
-def _where(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+class _ThresholdShares(BaseModel):
+    """A share per threshold; a threshold left out keeps the configured limit (1)."""
+
+    model_config = _STRICT
+    active_decode_blocks_threshold: ShareValue = 1.0
+    active_prefill_tokens_threshold: ShareValue = 1.0
+    active_prefill_tokens_threshold_frac: ShareValue = 1.0
 
 
-def _number(raw: object, where: str, lo: float, hi: float, what: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-        raise ClassConfigError(f"{where}: {raw!r} is not a number; expected {what}")
-    value = float(raw)
-    if not math.isfinite(value) or not lo < value <= hi:
-        raise ClassConfigError(f"{where}: {raw!r} is out of range; expected {what}")
-    return value
+def _share_kind(v: Any) -> str:
+    return "mapping" if isinstance(v, dict) else "number"
 
 
-def _int(raw: object, where: str, lo: int, hi: int, what: str) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
-        raise ClassConfigError(f"{where}: {raw!r} is not {what}")
-    return raw
+# A number (every threshold) or a mapping of threshold name to share.
+ShareSpec = Annotated[
+    Annotated[ShareValue, Tag("number")] | Annotated[_ThresholdShares, Tag("mapping")],
+    Discriminator(_share_kind),
+]
 
 
-def parse_share(raw: object, where: str) -> Share:
-    """A number (every threshold) or a mapping of threshold name to share."""
-    what = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
-    if isinstance(raw, dict):
-        unknown = set(raw) - {DECODE, PREFILL, PREFILL_FRAC}
-        if unknown:
-            raise ClassConfigError(
-                f"{where}: unknown threshold {sorted(unknown)[0]!r}; expected "
-                f"{DECODE}, {PREFILL} or {PREFILL_FRAC}"
-            )
-        values = {k: _number(v, _where(where, k), 0.0, MAX_SHARE, what) for k, v in raw.items()}
+def _to_share(spec: float | _ThresholdShares) -> Share:
+    if isinstance(spec, _ThresholdShares):
         return Share(
-            values.get(DECODE, 1.0), values.get(PREFILL, 1.0), values.get(PREFILL_FRAC, 1.0)
+            spec.active_decode_blocks_threshold,
+            spec.active_prefill_tokens_threshold,
+            spec.active_prefill_tokens_threshold_frac,
         )
-    value = _number(raw, where, 0.0, MAX_SHARE, what)
-    return Share(value, value, value)
+    return Share(spec, spec, spec)
 
 
-_CLASS_KEYS = {"priority", "share", "status", "retry_after", "large_prompt"}
+class _LargePrompt(BaseModel):
+    model_config = _STRICT
+    above_tokens: Annotated[int, Field(ge=1, le=2**31)]
+    share: ShareSpec
 
 
-def parse_class(name: object, raw: object, where: str) -> RequestClass:
-    if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
-        raise ClassConfigError(f"{where}: class name {name!r} must be 1-64 printable characters")
-    if not isinstance(raw, dict):
-        raise ClassConfigError(f"{where}: {raw!r} is not a mapping of class settings")
-    unknown = set(raw) - _CLASS_KEYS
-    if unknown:
-        raise ClassConfigError(
-            f"{_where(where, sorted(unknown)[0])}: unknown key; expected one of "
-            f"{', '.join(sorted(_CLASS_KEYS))}"
+class _ClassSettings(BaseModel):
+    model_config = _STRICT
+    priority: Annotated[int, Field(ge=0, le=1000)] = 0
+    share: ShareSpec = 1.0
+    status: Literal[429, 503, 529] | None = None
+    retry_after: Annotated[int, Field(ge=1, le=60)] | None = None
+    large_prompt: _LargePrompt | None = None
+
+
+def _printable(name: str) -> str:
+    if not name.isprintable():
+        raise PydanticCustomError("printable", "not printable")
+    return name
+
+
+def _header_name(v: str) -> str:
+    if not v or v.lower() != v or ":" in v:
+        raise PydanticCustomError("header_name", "not a lower-case HTTP header name")
+    return v
+
+
+ClassName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_printable)]
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+class _TrustedMarker(BaseModel):
+    model_config = _STRICT
+    header: HeaderName
+    value: str | None = None
+
+
+class _ClassesFile(BaseModel):
+    model_config = _STRICT
+    classes: Annotated[dict[ClassName, _ClassSettings], Field(min_length=1)]
+    default: str
+    header: HeaderName = DEFAULT_HEADER
+    trusted_marker: _TrustedMarker | None = None
+
+
+# What a valid value of each key looks like, by the key's name.
+_EXPECTED = {
+    "classes": "a mapping of class name to its settings",
+    "default": "a class name",
+    "header": "a lower-case HTTP header name",
+    "trusted_marker": "a mapping with header (and optionally value), or null",
+    "value": "a string",
+    "priority": "an integer 0-1000",
+    "share": SHARE_EXPECTED,
+    **dict.fromkeys((DECODE, PREFILL, PREFILL_FRAC), SHARE_EXPECTED),
+    "status": f"one of {', '.join(map(str, REJECTION_STATUSES))}, or null for the overload status",
+    "retry_after": "whole seconds 1-60, or null for the estimate",
+    "large_prompt": "a mapping with above_tokens and share, or null",
+    "above_tokens": "whole tokens >= 1",
+}
+# The keys of each kind of mapping, and how a mapping with a key missing is described.
+_KEYS = {
+    "document": list(_ClassesFile.model_fields),
+    "class": list(_ClassSettings.model_fields),
+    "large_prompt": list(_LargePrompt.model_fields),
+    "trusted_marker": list(_TrustedMarker.model_fields),
+}
+_SHAPES = {
+    "large_prompt": "must have exactly above_tokens and share",
+    "trusted_marker": "needs header (and may have value)",
+}
+_NOUNS = {"int": "an integer", "float": "a number", "string": "a string", "bool": "a boolean"}
+_RANGE = ("greater_than", "less_than", "finite_number", "too_short", "too_long", "string_too")
+
+
+def _dotted(loc: Loc) -> str:
+    return ".".join(map(str, loc))
+
+
+def _node(loc: Loc) -> str:
+    """What the mapping at ``loc`` is, from its place in the document."""
+    if not loc:
+        return "document"
+    if loc == ("trusted_marker",):
+        return "trusted_marker"
+    if loc[0] == "classes" and len(loc) >= 2:
+        rest = loc[2:]
+        if not rest:
+            return "class"
+        if rest in (("share",), ("large_prompt", "share")):
+            return "share"
+        if rest == ("large_prompt",):
+            return "large_prompt"
+    return ""
+
+
+def _key_path(loc: tuple[str | int, ...]) -> Loc:
+    """pydantic's location without the share union's tag (``classes.a.share.number``)."""
+    for i in (3, 4):
+        if len(loc) > i and _node(loc[:i]) == "share":
+            return loc[:i] + loc[i + 1 :]
+    return loc
+
+
+def _problem(err: ErrorDetails, prefix: Loc = ()) -> ClassConfigError:
+    """pydantic's error as a message naming the key path, the value and what was expected."""
+    loc = _key_path(prefix + tuple(err["loc"]))
+    kind, value, where = err["type"], err["input"], _dotted(loc)
+    parent = loc[:-1]
+    if kind == "extra_forbidden":
+        if _node(parent) == "share":
+            return ClassConfigError(
+                f"{_dotted(parent)}: unknown threshold {loc[-1]!r}; expected "
+                f"{DECODE}, {PREFILL} or {PREFILL_FRAC}",
+                loc,
+            )
+        keys = ", ".join(_KEYS.get(_node(parent), []))
+        return ClassConfigError(f"{where}: unknown key; expected one of {keys}", loc)
+    if kind == "missing":
+        shape = _SHAPES.get(_node(parent))
+        if shape:
+            return ClassConfigError(f"{_dotted(parent)}: {value!r} {shape}", parent)
+        return ClassConfigError(f"{where}: missing; expected {_EXPECTED[str(loc[-1])]}", loc)
+    if loc[-1:] == ("[key]",):
+        return ClassConfigError(
+            f"{_dotted(parent)}: class name {parent[-1]!r} must be 1-64 printable characters",
+            parent,
         )
-    priority = _int(raw.get("priority", 0), _where(where, "priority"), 0, 1000, "an integer 0-1000")
-    share = parse_share(raw.get("share", 1.0), _where(where, "share"))
-    status = raw.get("status")
-    if status is not None and status not in REJECTION_STATUSES:
-        raise ClassConfigError(
-            f"{_where(where, 'status')}: {status!r} is not one of "
-            f"{', '.join(map(str, REJECTION_STATUSES))}"
+    if not loc:
+        return ClassConfigError(
+            f"the document is {type(value).__name__}, expected a mapping of "
+            f"{', '.join(_KEYS['document'])}"
         )
-    retry = raw.get("retry_after")
-    if retry is not None:
-        retry = _int(retry, _where(where, "retry_after"), 1, 60, "whole seconds 1-60")
-    tokens = large = None
-    lp = raw.get("large_prompt")
-    if lp is not None:
-        lw = _where(where, "large_prompt")
-        if not isinstance(lp, dict) or set(lp) != {"above_tokens", "share"}:
-            raise ClassConfigError(f"{lw}: {lp!r} must have exactly above_tokens and share")
-        tokens = _int(lp["above_tokens"], _where(lw, "above_tokens"), 1, 2**31, "tokens >= 1")
-        large = parse_share(lp["share"], _where(lw, "share"))
-    return RequestClass(name, priority, share, status, retry, tokens, large)
+    if loc == ("classes",):
+        return ClassConfigError(f"classes: expected {_EXPECTED['classes']}, got {value!r}", loc)
+    if _node(loc) == "class":
+        return ClassConfigError(f"{where}: {value!r} is not a mapping of class settings", loc)
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        problem = "not a mapping"
+    elif kind == "literal_error":
+        problem = "not one of the allowed values"
+    elif kind.startswith(_RANGE):
+        problem = "out of range"
+    elif kind.split("_")[0] in _NOUNS:
+        problem = f"not {_NOUNS[kind.split('_')[0]]}"
+    else:  # our own rules (header names) say what is wrong in full
+        return ClassConfigError(f"{where}: {value!r} is {err['msg']}", loc)
+    expected = _EXPECTED.get(str(loc[-1]))
+    return ClassConfigError(
+        f"{where}: {value!r} is {problem}" + (f"; expected {expected}" if expected else ""), loc
+    )
 
 
-_TABLE_KEYS = {"classes", "default", "header", "trusted_marker"}
+def _request_class(name: str, s: _ClassSettings) -> RequestClass:
+    lp = s.large_prompt
+    return RequestClass(
+        name,
+        s.priority,
+        _to_share(s.share),
+        s.status,
+        s.retry_after,
+        None if lp is None else lp.above_tokens,
+        None if lp is None else _to_share(lp.share),
+    )
+
+
+def parse_class(name: str, raw: object) -> RequestClass:
+    """One class's settings (a mapping of the keys of a class in the file)."""
+    try:
+        settings = _ClassSettings.model_validate(raw)
+    except ValidationError as exc:
+        raise _problem(exc.errors()[0], ("classes", name)) from None
+    return _request_class(name, settings)
 
 
 def parse_table(raw: object) -> ClassTable:
     """A validated :class:`ClassTable` from the parsed YAML document."""
-    if not isinstance(raw, dict):
-        raise ClassConfigError(f"the document is {type(raw).__name__}, expected a mapping")
-    unknown = set(raw) - _TABLE_KEYS
-    if unknown:
-        raise ClassConfigError(
-            f"{sorted(unknown)[0]}: unknown key; expected one of {', '.join(sorted(_TABLE_KEYS))}"
-        )
-    classes = raw.get("classes")
-    if not isinstance(classes, dict) or not classes:
-        raise ClassConfigError("classes: expected a mapping of class name to its settings")
-    parsed = tuple(parse_class(n, v, f"classes.{n}") for n, v in classes.items())
-    default = raw.get("default")
-    if not isinstance(default, str):
-        raise ClassConfigError(f"default: {default!r} is not a class name")
-    header = raw.get("header", DEFAULT_HEADER)
-    if not isinstance(header, str) or not header or header.lower() != header or ":" in header:
-        raise ClassConfigError(f"header: {header!r} is not a lower-case HTTP header name")
-    marker = raw.get("trusted_marker")
-    trusted: tuple[str, str | None] | None = None
-    if marker is not None:
-        if (
-            not isinstance(marker, dict)
-            or "header" not in marker
-            or set(marker)
-            - {
-                "header",
-                "value",
-            }
-        ):
-            raise ClassConfigError(f"trusted_marker: {marker!r} needs header (and may have value)")
-        mh, mv = marker["header"], marker.get("value")
-        if not isinstance(mh, str) or not mh or mh.lower() != mh:
-            raise ClassConfigError(f"trusted_marker.header: {mh!r} is not a lower-case header")
-        if mv is not None and not isinstance(mv, str):
-            raise ClassConfigError(f"trusted_marker.value: {mv!r} is not a string")
-        trusted = (mh, mv)
-    return ClassTable(parsed, default, header, trusted)
+    try:
+        doc = _ClassesFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _problem(exc.errors()[0]) from None
+    marker = doc.trusted_marker
+    return ClassTable(
+        tuple(_request_class(n, c) for n, c in doc.classes.items()),
+        doc.default,
+        doc.header,
+        None if marker is None else (marker.header, marker.value),
+    )
 
 
 class ClassRegistry:
@@ -300,7 +431,7 @@ class ClassRegistry:
             return current
         raw = {k: v for k, v in current.as_dict().items() if k != "name"}
         raw.update(changes)
-        updated = parse_class(name, raw, f"classes.{name}")
+        updated = parse_class(name, raw)
         self.stamps[name] = stamp if stamp is not None else (held[0] + 1, self.pool.replica_id)
         table = ClassTable(
             tuple(updated if c.name == name else c for c in self.table.classes),
