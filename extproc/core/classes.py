@@ -4,9 +4,9 @@ A class is a name, a priority and its share of every busy threshold (critical 1.
 configured limits; sheddable 0.7 sees a worker as busy at 70 % of them). A class may also
 set a prompt size above which its requests use a lower share, so a flood of huge prompts
 is shed before short interactive requests of the same class. Classes come from a YAML file
-(``--classes-file``), validated once at startup; a request names its class in a header
-(docs/classes.md). Without a file there is one class with the full share: the behaviour
-without classes, exactly.
+(``--classes-file``), checked once at startup against :mod:`extproc.core.class_schema`; a
+request names its class in a header (docs/classes.md). Without a file there is one class
+with the full share: the behaviour without classes, exactly.
 
 The pool keeps a busy flag per worker and *variant* (a class, or a class's large-prompt
 share): :meth:`ClassTable.variant` maps a request to the index the decision reads.
@@ -16,34 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
-
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-)
-from pydantic_core import ErrorDetails, PydanticCustomError
+from typing import Any
 
 from extproc.core.busy import DECODE, FULL_SHARE, PREFILL, PREFILL_FRAC, Share
+from extproc.core.class_schema import (
+    DEFAULT_HEADER,
+    ClassSettings,
+    check_class,
+    check_table,
+    to_share,
+)
+from extproc.core.class_schema import ClassConfigError as ClassConfigError  # the error of parse_*
 from extproc.core.pool import WorkerPool
-
-DEFAULT_HEADER = "x-request-class"
-REJECTION_STATUSES = (429, 503, 529)
-MAX_SHARE = 10.0
-
-
-class ClassConfigError(ValueError):
-    """A class table that cannot be used; the message names the key and the value, and
-    ``loc`` is the key path (empty: the whole document)."""
-
-    def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
-        super().__init__(message)
-        self.loc = loc
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,231 +152,30 @@ class ClassTable:
         return out
 
 
-# ----- parsing and validation (pure: the file is read by the caller) -------------------
-#
-# The schema is a set of strict pydantic models: no string-to-number coercion, no booleans
-# for numbers, unknown keys refused. :func:`_problem` words pydantic's first error as
-# "<key path>: <value> is <problem>; expected <what>"; the error keeps the key path, so the
-# loader can add the line of the file it came from.
-
-Loc = tuple[str | int, ...]
-SHARE_EXPECTED = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
-_STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-ShareValue = Annotated[float, Field(gt=0.0, le=MAX_SHARE, allow_inf_nan=False)]
+# ----- from the checked schema (extproc.core.class_schema) ------------------------------
 
 
-class _ThresholdShares(BaseModel):
-    """A share per threshold; a threshold left out keeps the configured limit (1)."""
-
-    model_config = _STRICT
-    active_decode_blocks_threshold: ShareValue = 1.0
-    active_prefill_tokens_threshold: ShareValue = 1.0
-    active_prefill_tokens_threshold_frac: ShareValue = 1.0
-
-
-def _share_kind(v: Any) -> str:
-    return "mapping" if isinstance(v, dict) else "number"
-
-
-# A number (every threshold) or a mapping of threshold name to share.
-ShareSpec = Annotated[
-    Annotated[ShareValue, Tag("number")] | Annotated[_ThresholdShares, Tag("mapping")],
-    Discriminator(_share_kind),
-]
-
-
-def _to_share(spec: float | _ThresholdShares) -> Share:
-    if isinstance(spec, _ThresholdShares):
-        return Share(
-            spec.active_decode_blocks_threshold,
-            spec.active_prefill_tokens_threshold,
-            spec.active_prefill_tokens_threshold_frac,
-        )
-    return Share(spec, spec, spec)
-
-
-class _LargePrompt(BaseModel):
-    model_config = _STRICT
-    above_tokens: Annotated[int, Field(ge=1, le=2**31)]
-    share: ShareSpec
-
-
-class _ClassSettings(BaseModel):
-    model_config = _STRICT
-    priority: Annotated[int, Field(ge=0, le=1000)] = 0
-    share: ShareSpec = 1.0
-    status: Literal[429, 503, 529] | None = None
-    retry_after: Annotated[int, Field(ge=1, le=60)] | None = None
-    large_prompt: _LargePrompt | None = None
-
-
-def _printable(name: str) -> str:
-    if not name.isprintable():
-        raise PydanticCustomError("printable", "not printable")
-    return name
-
-
-def _header_name(v: str) -> str:
-    if not v or v.lower() != v or ":" in v:
-        raise PydanticCustomError("header_name", "not a lower-case HTTP header name")
-    return v
-
-
-ClassName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_printable)]
-HeaderName = Annotated[str, AfterValidator(_header_name)]
-
-
-class _TrustedMarker(BaseModel):
-    model_config = _STRICT
-    header: HeaderName
-    value: str | None = None
-
-
-class _ClassesFile(BaseModel):
-    model_config = _STRICT
-    classes: Annotated[dict[ClassName, _ClassSettings], Field(min_length=1)]
-    default: str
-    header: HeaderName = DEFAULT_HEADER
-    trusted_marker: _TrustedMarker | None = None
-
-
-# What a valid value of each key looks like, by the key's name.
-_EXPECTED = {
-    "classes": "a mapping of class name to its settings",
-    "default": "a class name",
-    "header": "a lower-case HTTP header name",
-    "trusted_marker": "a mapping with header (and optionally value), or null",
-    "value": "a string",
-    "priority": "an integer 0-1000",
-    "share": SHARE_EXPECTED,
-    **dict.fromkeys((DECODE, PREFILL, PREFILL_FRAC), SHARE_EXPECTED),
-    "status": f"one of {', '.join(map(str, REJECTION_STATUSES))}, or null for the overload status",
-    "retry_after": "whole seconds 1-60, or null for the estimate",
-    "large_prompt": "a mapping with above_tokens and share, or null",
-    "above_tokens": "whole tokens >= 1",
-}
-# The keys of each kind of mapping, and how a mapping with a key missing is described.
-_KEYS = {
-    "document": list(_ClassesFile.model_fields),
-    "class": list(_ClassSettings.model_fields),
-    "large_prompt": list(_LargePrompt.model_fields),
-    "trusted_marker": list(_TrustedMarker.model_fields),
-}
-_SHAPES = {
-    "large_prompt": "must have exactly above_tokens and share",
-    "trusted_marker": "needs header (and may have value)",
-}
-_NOUNS = {"int": "an integer", "float": "a number", "string": "a string", "bool": "a boolean"}
-_RANGE = ("greater_than", "less_than", "finite_number", "too_short", "too_long", "string_too")
-
-
-def _dotted(loc: Loc) -> str:
-    return ".".join(map(str, loc))
-
-
-def _node(loc: Loc) -> str:
-    """What the mapping at ``loc`` is, from its place in the document."""
-    if not loc:
-        return "document"
-    if loc == ("trusted_marker",):
-        return "trusted_marker"
-    if loc[0] == "classes" and len(loc) >= 2:
-        rest = loc[2:]
-        if not rest:
-            return "class"
-        if rest in (("share",), ("large_prompt", "share")):
-            return "share"
-        if rest == ("large_prompt",):
-            return "large_prompt"
-    return ""
-
-
-def _key_path(loc: tuple[str | int, ...]) -> Loc:
-    """pydantic's location without the share union's tag (``classes.a.share.number``)."""
-    for i in (3, 4):
-        if len(loc) > i and _node(loc[:i]) == "share":
-            return loc[:i] + loc[i + 1 :]
-    return loc
-
-
-def _problem(err: ErrorDetails, prefix: Loc = ()) -> ClassConfigError:
-    """pydantic's error as a message naming the key path, the value and what was expected."""
-    loc = _key_path(prefix + tuple(err["loc"]))
-    kind, value, where = err["type"], err["input"], _dotted(loc)
-    parent = loc[:-1]
-    if kind == "extra_forbidden":
-        if _node(parent) == "share":
-            return ClassConfigError(
-                f"{_dotted(parent)}: unknown threshold {loc[-1]!r}; expected "
-                f"{DECODE}, {PREFILL} or {PREFILL_FRAC}",
-                loc,
-            )
-        keys = ", ".join(_KEYS.get(_node(parent), []))
-        return ClassConfigError(f"{where}: unknown key; expected one of {keys}", loc)
-    if kind == "missing":
-        shape = _SHAPES.get(_node(parent))
-        if shape:
-            return ClassConfigError(f"{_dotted(parent)}: {value!r} {shape}", parent)
-        return ClassConfigError(f"{where}: missing; expected {_EXPECTED[str(loc[-1])]}", loc)
-    if loc[-1:] == ("[key]",):
-        return ClassConfigError(
-            f"{_dotted(parent)}: class name {parent[-1]!r} must be 1-64 printable characters",
-            parent,
-        )
-    if not loc:
-        return ClassConfigError(
-            f"the document is {type(value).__name__}, expected a mapping of "
-            f"{', '.join(_KEYS['document'])}"
-        )
-    if loc == ("classes",):
-        return ClassConfigError(f"classes: expected {_EXPECTED['classes']}, got {value!r}", loc)
-    if _node(loc) == "class":
-        return ClassConfigError(f"{where}: {value!r} is not a mapping of class settings", loc)
-    if kind in ("model_type", "dict_type", "model_attributes_type"):
-        problem = "not a mapping"
-    elif kind == "literal_error":
-        problem = "not one of the allowed values"
-    elif kind.startswith(_RANGE):
-        problem = "out of range"
-    elif kind.split("_")[0] in _NOUNS:
-        problem = f"not {_NOUNS[kind.split('_')[0]]}"
-    else:  # our own rules (header names) say what is wrong in full
-        return ClassConfigError(f"{where}: {value!r} is {err['msg']}", loc)
-    expected = _EXPECTED.get(str(loc[-1]))
-    return ClassConfigError(
-        f"{where}: {value!r} is {problem}" + (f"; expected {expected}" if expected else ""), loc
-    )
-
-
-def _request_class(name: str, s: _ClassSettings) -> RequestClass:
+def _request_class(name: str, s: ClassSettings) -> RequestClass:
     lp = s.large_prompt
     return RequestClass(
         name,
         s.priority,
-        _to_share(s.share),
+        to_share(s.share),
         s.status,
         s.retry_after,
         None if lp is None else lp.above_tokens,
-        None if lp is None else _to_share(lp.share),
+        None if lp is None else to_share(lp.share),
     )
 
 
 def parse_class(name: str, raw: object) -> RequestClass:
     """One class's settings (a mapping of the keys of a class in the file)."""
-    try:
-        settings = _ClassSettings.model_validate(raw)
-    except ValidationError as exc:
-        raise _problem(exc.errors()[0], ("classes", name)) from None
-    return _request_class(name, settings)
+    return _request_class(name, check_class(name, raw))
 
 
 def parse_table(raw: object) -> ClassTable:
     """A validated :class:`ClassTable` from the parsed YAML document."""
-    try:
-        doc = _ClassesFile.model_validate(raw)
-    except ValidationError as exc:
-        raise _problem(exc.errors()[0]) from None
+    doc = check_table(raw)
     marker = doc.trusted_marker
     return ClassTable(
         tuple(_request_class(n, c) for n, c in doc.classes.items()),

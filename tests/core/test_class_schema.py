@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, BusyThresholds, Share
 from extproc.core.classes import ClassConfigError, ClassRegistry, parse_table
@@ -225,3 +227,38 @@ def test_a_refused_runtime_change_changes_nothing() -> None:
     updated = registry.update_class("a", {"share": {DECODE: 0.5}, "retry_after": 3})
     assert updated.share == Share(0.5, 1.0, 1.0) and updated.status == 429  # share replaced
     assert updated.retry_after == 3 and registry.table.by_name("a") == updated
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["a", "", "X-Y", "share", DECODE, "priority", "429"]),
+)
+_KEYS_SEEN = st.one_of(
+    st.sampled_from(
+        ["classes", "default", "header", "trusted_marker", "a", "share", "priority", "status",
+         "retry_after", "large_prompt", "above_tokens", "value", DECODE, PREFILL, PREFILL_FRAC]
+    ),
+    st.integers(0, 3),
+)  # fmt: skip
+_DOCS = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(_KEYS_SEEN, inner)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(_DOCS)
+def test_any_document_is_a_table_or_one_worded_error(raw: object) -> None:
+    """Whatever YAML gives, the result is a table or a ClassConfigError naming a key path
+    that the message starts with."""
+    try:
+        parse_table(raw)
+    except ClassConfigError as exc:
+        text = str(exc)
+        assert text and "Input should" not in text and "Value error" not in text, text
+        where = ".".join(map(str, exc.loc))
+        assert text.startswith(where) or text.startswith("the document"), (text, exc.loc)
