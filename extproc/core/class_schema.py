@@ -197,8 +197,8 @@ def _problem(err: ErrorDetails, prefix: Loc = ()) -> ClassConfigError:
         shape = _SHAPES.get(_node(parent))
         if shape:
             return ClassConfigError(f"{_dotted(parent)}: {value!r} {shape}", parent)
-        expected = _EXPECTED.get(str(loc[-1]), "a value")
-        return ClassConfigError(f"{where}: missing; expected {expected}", loc)
+        what = _EXPECTED.get(str(loc[-1]), "a value")
+        return ClassConfigError(f"{where}: missing; expected {what}", loc)
     if loc[-1:] == ("[key]",):
         return ClassConfigError(
             f"{_dotted(parent)}: class name {parent[-1]!r} must be 1-64 printable characters",
