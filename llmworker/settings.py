@@ -230,6 +230,8 @@ class WorkerSettings(BaseSettings):
         row = rows.get(name)
         if row is None:  # a rule across settings
             return str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "missing":
+            return f"{row['flag'] or row['env']} is required: expected {row['expected']}"
         where, raw = (row["flag"], flags[name]) if name in flags else (row["env"], env.get(key))
         if isinstance(raw, list):
             raw = _first_bad(raw, err["loc"])

@@ -93,6 +93,10 @@ def test_values_accepted(model: type[WorkerSettings], name: str, text: str, valu
          "--curve-secret-key and --curve-server-key go together"),
         (AgentFlags, {"endpoint": None}, {},
          "--endpoint HOST:PORT is required unless --listen is given"),
+        (AgentFlags, {"endpoint": None, "listen": "127.0.0.1:0", "engine_request_limit": "x"},
+         {}, "--engine-request-limit='x' is invalid: expected an integer >= 1"),
+        (AgentFlags, {"engine_request_limit": "2"}, {},
+         "--engine-request-limit needs --listen: only the proxy can admit requests"),
     ],
 )  # fmt: skip
 def test_errors_name_the_setting_the_value_and_what_was_expected(
@@ -101,6 +105,11 @@ def test_errors_name_the_setting_the_value_and_what_was_expected(
     with pytest.raises(SettingsError) as info:
         _read(model, flags, env)
     assert str(info.value) == message
+
+
+def test_a_required_setting_left_out_is_named() -> None:
+    with pytest.raises(SettingsError, match=r"^--worker-id is required: expected an id$"):
+        AgentFlags.read({k: v for k, v in AGENT.items() if k != "worker_id"}, {})
 
 
 def test_a_flag_wins_over_its_variable_and_only_declared_variables_are_read() -> None:
