@@ -71,21 +71,49 @@ class SettingsError(ValueError):
 
 
 def load_class_table(path: str) -> ClassTable:
-    """The request classes of a YAML file; ValueError naming the line or key and value."""
+    """The request classes of a YAML file; ValueError naming the file, the line, the key
+    and the value."""
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            loader = yaml.SafeLoader(f.read())
     except OSError as exc:
         raise ValueError(f"cannot read the classes file: {exc.strerror}") from None
+    try:
+        node = loader.get_single_node()
+        raw = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+    finally:
+        loader.dispose()
     try:
         return parse_table(raw)
     except ClassConfigError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        line = _line_of(node, exc.loc) if node is not None else None
+        raise ValueError(f"{path}{'' if line is None else f', line {line}'}: {exc}") from None
+
+
+def _line_of(node: yaml.Node, loc: tuple[str | int, ...]) -> int:
+    """The 1-based line of the deepest key of ``loc`` present in the YAML node tree (the
+    line of the key itself, where the reader looks for it)."""
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == str(part)]
+            if not match:
+                break
+            key, node = match[-1]  # a repeated key: the last one wins, as when loading
+            line = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if not 0 <= part < len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
 
 
 def _loopback_endpoint(endpoint: str) -> bool:

@@ -8,7 +8,8 @@ status, ``x-worker-overloaded: 1`` and a flat JSON body. Off when N is unset.
 
 Usage in any asyncio HTTP handler::
 
-    admission = Admission(AdmissionConfig.from_env(flag_value))
+    config, warning = AdmissionConfig.from_env(flag_value)
+    admission = Admission(config)
     try:
         async with admission.slot():
             ...  # run the request; the slot is released however this block ends
@@ -21,32 +22,21 @@ A waiting request whose task is cancelled (client gone) leaves the queue.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import (
     BeforeValidator,
-    Field,
-    ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    NoDecode,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import NoDecode
 
 from extproc.openai.errors import (
     DEFAULT_OVERLOAD_STATUS,
@@ -54,6 +44,7 @@ from extproc.openai.errors import (
     error_body,
     overload_status_from_env,
 )
+from llmworker.settings import OptWhole, SettingsError, Whole, WorkerSettings, option
 
 ENGINE_LIMIT_ENV = "DYN_ENGINE_REQUEST_LIMIT"
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
@@ -62,28 +53,16 @@ DEFAULT_QUEUE_LIMIT = 16
 MIN_QUEUE_LIMIT = 2
 OVERLOADED_HEADER = "x-worker-overloaded"
 OVERLOADED_MESSAGE = "Server overloaded: worker at capacity"
+ADMISSION_GROUP = "worker-side admission"
+ADMISSION_ENVS = (ENGINE_LIMIT_ENV, QUEUE_LIMIT_ENV, OVERLOAD_STATUS_ENV)
 
 
-class AdmissionConfigError(ValueError):
+class AdmissionConfigError(SettingsError):
     """A bad N or Q; the message names the flag or variable and the value."""
 
 
 class Overloaded(Exception):
     """Engine and queue are both full: reject the request now."""
-
-
-def _count(minimum: int) -> BeforeValidator:
-    """Digits only (an optional '+'; spaces ignored), at least ``minimum``."""
-
-    def check(v: Any) -> int | None:
-        if v is None:
-            return None  # the default of an optional count
-        text = str(v).strip()
-        if text.isascii() and text.lstrip("+").isdigit() and int(text) >= minimum:
-            return int(text)
-        raise PydanticCustomError("count", "expected an integer >= {minimum}", {"minimum": minimum})
-
-    return BeforeValidator(check)
 
 
 def _overload(v: Any) -> tuple[int, str | None]:
@@ -92,39 +71,40 @@ def _overload(v: Any) -> tuple[int, str | None]:
     return overload_status_from_env({OVERLOAD_STATUS_ENV: str(v)})
 
 
-class _Environment(EnvSettingsSource):
-    """pydantic-settings' environment source over a given mapping; blank values are unset."""
+class AdmissionSettings(WorkerSettings):
+    """The worker's admission settings: ``--engine-request-limit`` over the environment;
+    the queue size and the overload status come from the environment only. Q is read only
+    when N is set."""
 
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        self._environ = environ
-        super().__init__(settings_cls)
+    GROUPS: ClassVar[dict[str, tuple[str, str | None]]] = {"admission": (ADMISSION_GROUP, None)}
 
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return {k: v for k, v in self._environ.items() if v.strip()}
-
-
-_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("llmworker_environ", default=None)
-
-
-class AdmissionSettings(BaseSettings):
-    """The worker's admission settings: ``--engine-request-limit`` over the environment.
-
-    Each field reads its variable through pydantic-settings; the flag, when given,
-    is passed in and wins. Q is read only when N is set.
-    """
-
-    model_config = SettingsConfigDict(
-        frozen=True, extra="ignore", populate_by_name=True, case_sensitive=True
+    engine_request_limit: OptWhole = option(
+        None,
+        ENGINE_LIMIT_FLAG,
+        "admission",
+        "requests inside the engine at once; unset = admission off",
+        env=ENGINE_LIMIT_ENV,
+        metavar="N",
+        expected="an integer >= 1",
+        ge=1,
     )
-
-    engine_request_limit: Annotated[int | None, _count(1)] = Field(
-        None, validation_alias=ENGINE_LIMIT_ENV
+    queue_limit: Annotated[Whole, NoDecode] = option(
+        DEFAULT_QUEUE_LIMIT,
+        None,
+        "admission",
+        f"requests waiting for an engine slot (default {DEFAULT_QUEUE_LIMIT}, "
+        f">= {MIN_QUEUE_LIMIT}, read only when N is set)",
+        env=QUEUE_LIMIT_ENV,
+        expected=f"an integer >= {MIN_QUEUE_LIMIT}",
+        ge=MIN_QUEUE_LIMIT,
     )
-    queue_limit: Annotated[int, NoDecode, _count(MIN_QUEUE_LIMIT)] = Field(
-        DEFAULT_QUEUE_LIMIT, validation_alias=QUEUE_LIMIT_ENV
-    )
-    overload: Annotated[tuple[int, str | None], NoDecode, BeforeValidator(_overload)] = Field(
-        (DEFAULT_OVERLOAD_STATUS, None), validation_alias=OVERLOAD_STATUS_ENV
+    overload: Annotated[tuple[int, str | None], NoDecode, BeforeValidator(_overload)] = option(
+        (DEFAULT_OVERLOAD_STATUS, None),
+        None,
+        "admission",
+        f"HTTP status of rejections (default {DEFAULT_OVERLOAD_STATUS})",
+        env=OVERLOAD_STATUS_ENV,
+        expected="an integer in 200-999",
     )
 
     @field_validator("queue_limit", mode="wrap")
@@ -136,47 +116,23 @@ class AdmissionSettings(BaseSettings):
             return DEFAULT_QUEUE_LIMIT  # off (or N invalid): Q is not read
         return int(handler(v))
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        environ = _ENVIRON.get()
-        return (
-            init_settings,
-            _Environment(settings_cls, os.environ if environ is None else environ),
-        )
+    def admission_config(self) -> tuple[AdmissionConfig, str | None]:
+        """(config, warning about the overload status or None)."""
+        status, warning = self.overload
+        return AdmissionConfig(self.engine_request_limit, self.queue_limit, status), warning
 
     @classmethod
     def load(
         cls, engine_request_limit: str | int | None = None, environ: Mapping[str, str] | None = None
     ) -> AdmissionSettings:
         """Validate the flag value (wins) over the environment; AdmissionConfigError if bad."""
-        env = os.environ if environ is None else environ
-        flags: dict[str, Any] = {}
-        if engine_request_limit is not None:
-            flags["engine_request_limit"] = engine_request_limit
-        token = _ENVIRON.set(env)
+        flags = (
+            {} if engine_request_limit is None else {"engine_request_limit": engine_request_limit}
+        )
         try:
-            return cls(**flags)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = str(err["loc"][0]) if err["loc"] else ""
-            if loc in ("engine_request_limit", ENGINE_LIMIT_ENV):
-                name, raw = (
-                    (ENGINE_LIMIT_FLAG, str(engine_request_limit))
-                    if flags
-                    else (ENGINE_LIMIT_ENV, env.get(ENGINE_LIMIT_ENV))
-                )
-            else:
-                name, raw = QUEUE_LIMIT_ENV, env.get(QUEUE_LIMIT_ENV)
-            raise AdmissionConfigError(f"{name}={raw!r} is invalid: {err['msg']}") from None
-        finally:
-            _ENVIRON.reset(token)
+            return cls.read(flags, environ)
+        except SettingsError as exc:
+            raise AdmissionConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,9 +157,7 @@ class AdmissionConfig:
 
         Raises AdmissionConfigError for N <= 0, Q < 2 or a non-integer.
         """
-        s = AdmissionSettings.load(engine_request_limit, environ)
-        status, warning = s.overload
-        return cls(s.engine_request_limit, s.queue_limit, status), warning
+        return AdmissionSettings.load(engine_request_limit, environ).admission_config()
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,22 +91,18 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
 import aiohttp
 from prometheus_client import CollectorRegistry
+from pydantic import AfterValidator, BeforeValidator, model_validator
 from yarl import URL
 
 from extproc.events.curve import CurveClient
 from extproc.events.publisher import EventPublisher, PublisherError
 from extproc.events.schema import ConfigEvent, EventRejected, decode, encode
 from llmworker import cli
-from llmworker.admission import (
-    ENGINE_LIMIT_ENV,
-    Admission,
-    AdmissionConfig,
-    AdmissionConfigError,
-)
+from llmworker.admission import ADMISSION_ENVS, ENGINE_LIMIT_ENV, Admission, AdmissionConfig
 from llmworker.engine_metrics import (
     ENGINES,
     Engine,
@@ -117,6 +113,7 @@ from llmworker.engine_metrics import (
 )
 from llmworker.netaddr import advertised_endpoint, join_host_port, join_url
 from llmworker.proxy import EngineProxy, PrefillLedger
+from llmworker.settings import Number, OptWhole, SettingsError, option
 
 log = logging.getLogger("llmworker.agent")
 
@@ -508,202 +505,254 @@ def _engine_url(text: str) -> URL:
     except ValueError:
         url = URL()
     if url.scheme not in ("http", "https") or not url.host or url.query_string or url.fragment:
-        raise argparse.ArgumentTypeError(
-            f"expected the engine's base URL like http://127.0.0.1:8000, got {text!r}"
-        )
+        raise ValueError("expected the engine's base URL like http://127.0.0.1:8000")
     return url
 
 
 def _metrics_path(text: str) -> str:
     if not text.startswith("/"):
-        raise argparse.ArgumentTypeError(f"expected a path starting with '/', got {text!r}")
+        raise ValueError("expected a path starting with '/'")
     return text
 
 
-def _listen(text: str) -> tuple[str, int]:
+def _base_url(text: str) -> str:
+    _engine_url(text)
+    return text
+
+
+def _listen(text: Any) -> tuple[str, int] | None:
+    if text is None or isinstance(text, tuple):
+        return text
+    text = str(text)
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or int(port_text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 0-65535), got {text!r}")
+        raise ValueError("expected HOST:PORT (port 0-65535)")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise argparse.ArgumentTypeError(f"IPv6 listen address needs brackets, got {text!r}")
+        raise ValueError("expected HOST:PORT; an IPv6 listen address needs brackets")
     return host or "0.0.0.0", int(port_text)
 
 
+class AgentFlags(cli.WorkerFlags):
+    """The agent's settings table."""
+
+    GROUPS: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "engine": ("engine", None),
+        "facts": ("engine facts", "Used only when the engine's metrics do not carry the value."),
+        "worker": ("worker", None),
+        "events": cli.WorkerFlags.GROUPS["events"],
+        "admission": ("proxy and worker-side admission", cli.ADMISSION_ENV_HELP),
+        "logging": cli.WorkerFlags.GROUPS["logging"],
+    }
+
+    engine: Engine = option(
+        ..., "--engine", "engine", "engine kind", choices=ENGINES, expected="an engine kind"
+    )
+    engine_url: Annotated[str, AfterValidator(_base_url)] = option(
+        ...,
+        "--engine-url",
+        "engine",
+        "engine's OpenAI HTTP server, e.g. http://127.0.0.1:8000",
+        metavar="URL",
+        expected="the engine's base URL",
+    )
+    metrics_path: Annotated[str, AfterValidator(_metrics_path)] = option(
+        "/metrics",
+        "--metrics-path",
+        "engine",
+        "engine's metrics path",
+        metavar="PATH",
+        expected="a path starting with '/'",
+    )
+    interval: Number = option(
+        0.1,
+        "--interval",
+        "engine",
+        "scrape period, in seconds",
+        metavar="SECONDS",
+        expected="a finite number of seconds > 0",
+        gt=0,
+    )
+    scrape_timeout: Number = option(
+        1.0,
+        "--scrape-timeout",
+        "engine",
+        "timeout of one scrape, in seconds",
+        metavar="SECONDS",
+        expected="a finite number of seconds > 0",
+        gt=0,
+    )
+    engine_down_grace: Number = option(
+        10.0,
+        "--engine-down-grace",
+        "engine",
+        "seconds without usable metrics before the agent says bye (the last state is "
+        "repeated meanwhile)",
+        metavar="SECONDS",
+        expected="a finite number of seconds >= 0",
+        ge=0,
+    )
+    block_size: OptWhole = option(
+        None,
+        "--block-size",
+        "facts",
+        "tokens per KV block (default: the engine's, else 16)",
+        metavar="TOKENS",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    kv_total_blocks: OptWhole = option(
+        None,
+        "--kv-total-blocks",
+        "facts",
+        "KV cache capacity per DP rank, in blocks of --block-size tokens",
+        metavar="BLOCKS",
+        expected="an integer >= 0",
+        ge=0,
+    )
+    max_num_batched_tokens: OptWhole = option(
+        None,
+        "--max-num-batched-tokens",
+        "facts",
+        "engine's per-step token budget, in tokens",
+        metavar="TOKENS",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    dp_size: OptWhole = option(
+        None,
+        "--dp-size",
+        "facts",
+        "data-parallel ranks behind the endpoint (default: the ranks the metrics show)",
+        metavar="N",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    model: str = option(
+        ..., "--model", "worker", "served model name, as clients send it", expected="a name"
+    )
+    worker_id: str = option(
+        ..., "--worker-id", "worker", "stable worker id in events", expected="an id"
+    )
+    endpoint: cli.EventEndpoint | None = option(
+        None,
+        "--endpoint",
+        "worker",
+        "where Envoy reaches this worker's OpenAI server (required without --listen; "
+        "default with --listen: the listen address)",
+        metavar="HOST:PORT",
+        expected="HOST:PORT",
+    )
+    worker_type: Literal["decode", "prefill"] = option(
+        "decode",
+        "--worker-type",
+        "worker",
+        "worker role",
+        choices=("decode", "prefill"),
+        expected="decode or prefill",
+    )
+    publish: list[cli.ConnectableZmqEndpoint] = option(
+        ...,
+        "--publish",
+        "events",
+        "ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 (repeatable)",
+        metavar="ENDPOINT",
+        action="append",
+        expected="a ZeroMQ endpoint like tcp://127.0.0.1:5557",
+    )
+    listen: Annotated[tuple[str, int] | None, BeforeValidator(_listen)] = option(
+        None,
+        "--listen",
+        "admission",
+        "serve a reverse proxy to the engine here (port 0 = any free); unset = no proxy",
+        metavar="HOST:PORT",
+        expected="HOST:PORT (port 0-65535)",
+    )
+    shutdown_timeout: Number = option(
+        5.0,
+        "--shutdown-timeout",
+        "admission",
+        "seconds in-flight proxied requests get to finish on SIGTERM",
+        metavar="SECONDS",
+        expected="a finite number of seconds >= 0",
+        ge=0,
+    )
+
+    @model_validator(mode="after")
+    def _endpoint_and_admission(self) -> AgentFlags:
+        if self.listen is None and self.endpoint is None:
+            raise ValueError("--endpoint HOST:PORT is required unless --listen is given")
+        if self.listen is None and self.engine_request_limit is not None:
+            raise ValueError(
+                "--engine-request-limit needs --listen: only the proxy can admit requests"
+            )
+        endpoint = self.endpoint
+        if endpoint is None and self.listen is not None:
+            endpoint = join_host_port(self.listen[0], self.listen[1] or 1)
+        probe = ConfigEvent(worker_id=self.worker_id, model=self.model, endpoint=endpoint or "")
+        try:
+            decode(*encode(probe))
+        except EventRejected as exc:
+            raise ValueError(f"--worker-id/--model/--endpoint: {exc.detail}") from None
+        return self
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m llmworker.agent",
-        description="Sidecar next to a vLLM or SGLang server: scrapes its Prometheus /metrics "
+    return AgentFlags.build_parser(
+        "python -m llmworker.agent",
+        "Sidecar next to a vLLM or SGLang server: scrapes its Prometheus /metrics "
         "and publishes the worker's config and per-rank load to the extproc; optionally "
         "fronts the engine as a reverse proxy with worker-side admission.",
-        formatter_class=cli.HelpFormatter,
     )
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--engine", required=True, choices=ENGINES, help="engine kind (required)")
-    eng.add_argument(
-        "--engine-url",
-        required=True,
-        type=_engine_url,
-        metavar="URL",
-        help="engine's OpenAI HTTP server, e.g. http://127.0.0.1:8000 (required)",
-    )
-    eng.add_argument(
-        "--metrics-path",
-        type=_metrics_path,
-        default="/metrics",
-        metavar="PATH",
-        help="engine's metrics path",
-    )
-    eng.add_argument(
-        "--interval",
-        type=cli.positive_seconds,
-        default=0.1,
-        metavar="SECONDS",
-        help="scrape period, in seconds",
-    )
-    eng.add_argument(
-        "--scrape-timeout",
-        type=cli.positive_seconds,
-        default=1.0,
-        metavar="SECONDS",
-        help="timeout of one scrape, in seconds",
-    )
-    eng.add_argument(
-        "--engine-down-grace",
-        type=cli.non_negative_seconds,
-        metavar="SECONDS",
-        default=10.0,
-        help="seconds without usable metrics before the agent says bye (the last state is "
-        "repeated meanwhile)",
-    )
-    fb = p.add_argument_group(
-        "engine facts", "Used only when the engine's metrics do not carry the value."
-    )
-    fb.add_argument(
-        "--block-size",
-        type=cli.positive_int,
-        metavar="TOKENS",
-        help="tokens per KV block (default: the engine's, else 16)",
-    )
-    fb.add_argument(
-        "--kv-total-blocks",
-        type=cli.non_negative_int,
-        metavar="BLOCKS",
-        help="KV cache capacity per DP rank, in blocks of --block-size tokens",
-    )
-    fb.add_argument(
-        "--max-num-batched-tokens",
-        type=cli.positive_int,
-        metavar="TOKENS",
-        help="engine's per-step token budget, in tokens",
-    )
-    fb.add_argument(
-        "--dp-size",
-        type=cli.positive_int,
-        metavar="N",
-        help="data-parallel ranks behind the endpoint (default: the ranks the metrics show)",
-    )
-    wk = p.add_argument_group("worker")
-    wk.add_argument(
-        "--model", required=True, help="served model name, as clients send it (required)"
-    )
-    wk.add_argument("--worker-id", required=True, help="stable worker id in events (required)")
-    wk.add_argument(
-        "--endpoint",
-        type=cli.event_endpoint,
-        metavar="HOST:PORT",
-        help="where Envoy reaches this worker's OpenAI server (required without --listen; "
-        "default with --listen: the listen address)",
-    )
-    wk.add_argument(
-        "--worker-type", choices=["decode", "prefill"], default="decode", help="worker role"
-    )
-    ev = p.add_argument_group("load events")
-    ev.add_argument(
-        "--publish",
-        action="append",
-        required=True,
-        type=cli.connectable_zmq_endpoint,
-        metavar="ENDPOINT",
-        help="ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 "
-        "(repeatable; required)",
-    )
-    cli.add_event_timing_flags(ev)
-    px = p.add_argument_group("proxy and worker-side admission", cli.ADMISSION_ENV_HELP)
-    px.add_argument(
-        "--listen",
-        type=_listen,
-        metavar="HOST:PORT",
-        help="serve a reverse proxy to the engine here (port 0 = any free); unset = no proxy",
-    )
-    px.add_argument(
-        "--engine-request-limit",
-        metavar="N",
-        help="requests inside the engine at once, enforced by the proxy (needs --listen; "
-        "env DYN_ENGINE_REQUEST_LIMIT); unset = admission off",
-    )
-    px.add_argument(
-        "--shutdown-timeout",
-        type=cli.non_negative_seconds,
-        metavar="SECONDS",
-        default=5.0,
-        help="seconds in-flight proxied requests get to finish on SIGTERM",
-    )
-    cli.add_log_level_flag(wk)
-    return p
 
 
 def parse_args(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[AgentSettings, str | None]:
-    """(settings, startup warning or None); exits 2 with a message on a bad flag."""
+    """(settings, startup warning or None); exits 2 with a message on a bad setting.
+
+    Without ``--listen`` the admission variables are not read (only the proxy admits);
+    a set DYN_ENGINE_REQUEST_LIMIT is then a warning."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.listen is None and args.endpoint is None:
-        parser.error("--endpoint HOST:PORT is required unless --listen is given")
-    admission, warning = AdmissionConfig(), None
-    if args.listen is not None:
-        try:
-            admission, warning = AdmissionConfig.from_env(args.engine_request_limit, environ)
-        except AdmissionConfigError as exc:
-            parser.error(str(exc))
-    elif args.engine_request_limit is not None:
-        parser.error("--engine-request-limit needs --listen: only the proxy can admit requests")
-    elif (os.environ if environ is None else environ).get(ENGINE_LIMIT_ENV, "").strip():
-        warning = f"{ENGINE_LIMIT_ENV} is set but has no effect without --listen"
-    probe = ConfigEvent(
-        worker_id=args.worker_id,
-        model=args.model,
-        endpoint=args.endpoint or join_host_port(args.listen[0], args.listen[1] or 1),
-    )
+    args = vars(parser.parse_args(argv))
+    env = os.environ if environ is None else environ
+    proxied = "listen" in args
     try:
-        decode(*encode(probe))
-    except EventRejected as exc:
-        parser.error(f"--worker-id/--model/--endpoint: {exc.detail}")
+        flags = AgentFlags.read(
+            args, env if proxied else {k: v for k, v in env.items() if k not in ADMISSION_ENVS}
+        )
+    except SettingsError as exc:
+        parser.error(str(exc))
+    admission, warning = flags.admission_config()
+    if (
+        not proxied
+        and (os.environ if environ is None else environ).get(ENGINE_LIMIT_ENV, "").strip()
+    ):
+        warning = f"{ENGINE_LIMIT_ENV} is set but has no effect without --listen"
     settings = AgentSettings(
-        engine=args.engine,
-        engine_url=args.engine_url,
-        model=args.model,
-        worker_id=args.worker_id,
-        publish=tuple(args.publish),
-        endpoint=args.endpoint,
-        listen=args.listen,
+        engine=flags.engine,
+        engine_url=_engine_url(flags.engine_url),
+        model=flags.model,
+        worker_id=flags.worker_id,
+        publish=tuple(flags.publish),
+        endpoint=flags.endpoint,
+        listen=flags.listen,
         admission=admission,
-        metrics_path=args.metrics_path,
-        interval=args.interval,
-        scrape_timeout=args.scrape_timeout,
-        engine_down_grace=args.engine_down_grace,
-        block_size=args.block_size,
-        kv_total_blocks=args.kv_total_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dp_size=args.dp_size,
-        worker_type=args.worker_type,
-        heartbeat=args.heartbeat,
-        curve=cli.curve_client(parser, args),
-        debounce=args.debounce_ms / 1e3,
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
+        metrics_path=flags.metrics_path,
+        interval=flags.interval,
+        scrape_timeout=flags.scrape_timeout,
+        engine_down_grace=flags.engine_down_grace,
+        block_size=flags.block_size,
+        kv_total_blocks=flags.kv_total_blocks,
+        max_num_batched_tokens=flags.max_num_batched_tokens,
+        dp_size=flags.dp_size,
+        worker_type=flags.worker_type,
+        heartbeat=flags.heartbeat,
+        curve=flags.curve(),
+        debounce=flags.debounce_ms / 1e3,
+        shutdown_timeout=flags.shutdown_timeout,
+        log_level=flags.log_level,
     )
     return settings, warning
 

@@ -1,30 +1,37 @@
 """Command-line plumbing of ``python -m llmworker.sim`` and ``python -m llmworker.agent``.
 
-Flag types whose errors name the value and what was expected (bounds checked by
-pydantic, as the settings of the extproc and of worker-side admission are), the help
-formatter, the flags both programs share, logging setup, and running a
-:class:`Service` until SIGTERM or SIGINT.
+The settings both programs share (worker-side admission, the event publisher's timing and
+CURVE keys, the log level) as rows of one settings table (:mod:`llmworker.settings`), the
+value checks of ZeroMQ and event endpoints, logging setup, and running a :class:`Service`
+until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, NoReturn, Protocol
+from collections.abc import Coroutine
+from typing import Annotated, Any, ClassVar, Literal, NoReturn, Protocol
 
 import zmq
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BeforeValidator, model_validator
 
 from extproc.core.endpoint import parse_endpoint
 from extproc.events.curve import CurveClient, CurveKeyError
 from extproc.openai.errors import DEFAULT_OVERLOAD_STATUS, OVERLOAD_STATUS_ENV
-from llmworker.admission import DEFAULT_QUEUE_LIMIT, MIN_QUEUE_LIMIT, QUEUE_LIMIT_ENV
+from llmworker.admission import (
+    ADMISSION_GROUP,
+    DEFAULT_QUEUE_LIMIT,
+    MIN_QUEUE_LIMIT,
+    QUEUE_LIMIT_ENV,
+    AdmissionSettings,
+)
+from llmworker.settings import Number, option
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ADMISSION_ENV_HELP = (
     f"Queue size Q comes from {QUEUE_LIMIT_ENV} (default {DEFAULT_QUEUE_LIMIT}, "
@@ -33,61 +40,12 @@ ADMISSION_ENV_HELP = (
 )
 
 # ---------------------------------------------------------------------------
-# flag types
-
-
-def _flag_type(
-    kind: type[int] | type[float], expected: str, unparsed: str | None = None, **bounds: Any
-) -> Callable[[str], Any]:
-    """An argparse type: Python's own ``kind(text)``, then pydantic ``bounds``.
-
-    The error names the value and what was expected (``unparsed`` when the text is
-    not a number at all); argparse prefixes the flag.
-    """
-    constrained: Any = Annotated[kind, Field(**bounds)]  # a type built at run time
-    adapter: TypeAdapter[Any] = TypeAdapter(constrained)
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {unparsed or expected}, got {text!r}"
-            ) from None
-        try:
-            return adapter.validate_python(value)
-        except ValidationError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-
-    return parse
-
-
-def _number(bound: str, unit: str = "", **bounds: Any) -> Callable[[str], Any]:
-    what = f"number of {unit}" if unit else "number"
-    return _flag_type(
-        float, f"a finite {what} {bound}", f"a {what} {bound}", allow_inf_nan=False, **bounds
-    )
-
-
-positive_int = _flag_type(int, "an integer >= 1", ge=1)
-"""An integer >= 1."""
-non_negative_int = _flag_type(int, "an integer >= 0", ge=0)
-"""An integer >= 0."""
-positive_number = _number("> 0", gt=0)
-"""A finite number > 0."""
-non_negative_number = _number(">= 0", ge=0)
-"""A finite number >= 0."""
-positive_seconds = _number("> 0", "seconds", gt=0)
-"""A finite number of seconds > 0."""
-non_negative_seconds = _number(">= 0", "seconds", ge=0)
-"""A finite number of seconds >= 0."""
+# value checks (a ValueError says what was expected; the error names the flag and value)
 
 
 def _zmq_scheme(text: str, schemes: tuple[str, ...]) -> str:
     if not text.startswith(schemes):
-        raise argparse.ArgumentTypeError(
-            f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5557, got {text!r}"
-        )
+        raise ValueError("expected a ZeroMQ endpoint like tcp://127.0.0.1:5557")
     return text
 
 
@@ -104,7 +62,7 @@ def connectable_zmq_endpoint(text: str) -> str:
         probe.setsockopt(zmq.LINGER, 0)
         probe.connect(text)
     except zmq.ZMQError as exc:
-        raise argparse.ArgumentTypeError(f"bad ZeroMQ endpoint {text!r}: {exc}") from None
+        raise ValueError(f"expected a ZeroMQ endpoint a PUB socket can connect to: {exc}") from None
     finally:
         probe.close(0)
     return text
@@ -112,74 +70,92 @@ def connectable_zmq_endpoint(text: str) -> str:
 
 def event_endpoint(text: str) -> str:
     """``HOST:PORT`` as config events carry it (IPv6 host in brackets)."""
-    try:
-        parse_endpoint(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_endpoint(text)  # ValueError naming the value
     return text
 
 
+def _upper(v: Any) -> Any:
+    return v.strip().upper() if isinstance(v, str) else v
+
+
+ZmqEndpoint = Annotated[str, AfterValidator(zmq_endpoint)]
+ConnectableZmqEndpoint = Annotated[str, AfterValidator(connectable_zmq_endpoint)]
+EventEndpoint = Annotated[str, AfterValidator(event_endpoint)]
+
+
 # ---------------------------------------------------------------------------
-# parser pieces
+# the settings both programs share
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only when there is one worth showing."""
+class WorkerFlags(AdmissionSettings):
+    """Worker-side admission, the event publisher's timing and keys, the log level."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False, []) or "default" in text:
-            return text
-        return super()._get_help_string(action) or text
+    GROUPS: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "admission": (ADMISSION_GROUP, ADMISSION_ENV_HELP),
+        "events": ("load events", None),
+        "logging": ("logging", None),
+    }
 
-
-def add_log_level_flag(group: argparse._ActionsContainer) -> None:
-    """``--log-level``, default INFO."""
-    group.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log level")
-
-
-def add_event_timing_flags(group: argparse._ActionsContainer) -> None:
-    """``--heartbeat`` (seconds), ``--debounce-ms`` and the CURVE key files of the event
-    publisher."""
-    group.add_argument(
+    curve_secret_key: str | None = option(
+        None,
         "--curve-secret-key",
-        metavar="FILE",
-        help="ZeroMQ CURVE: this publisher's secret key file (NAME.key_secret from python -m "
+        "events",
+        "ZeroMQ CURVE: this publisher's secret key file (NAME.key_secret from python -m "
         "extproc.events.keys), when the extproc requires CURVE; with --curve-server-key",
-    )
-    group.add_argument(
-        "--curve-server-key",
         metavar="FILE",
-        help="ZeroMQ CURVE: the extproc's public key file (its NAME.key)",
+        expected="a CURVE secret key file",
     )
-    group.add_argument(
+    curve_server_key: str | None = option(
+        None,
+        "--curve-server-key",
+        "events",
+        "ZeroMQ CURVE: the extproc's public key file (its NAME.key)",
+        metavar="FILE",
+        expected="a CURVE public key file",
+    )
+    heartbeat: Number = option(
+        2.0,
         "--heartbeat",
-        type=positive_seconds,
-        default=2.0,
+        "events",
+        "seconds between config/load re-sends",
         metavar="SECONDS",
-        help="seconds between config/load re-sends",
+        expected="a finite number of seconds > 0",
+        gt=0,
     )
-    group.add_argument(
+    debounce_ms: Number = option(
+        5.0,
         "--debounce-ms",
-        type=non_negative_number,
-        default=5.0,
+        "events",
+        "load changes are coalesced and sent at most this often, in milliseconds",
         metavar="MS",
-        help="load changes are coalesced and sent at most this often, in milliseconds",
+        expected="a finite number >= 0",
+        ge=0,
+    )
+    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = option(
+        "INFO",
+        "--log-level",
+        "logging",
+        "log level",
+        choices=LOG_LEVELS,
+        expected=f"one of {', '.join(LOG_LEVELS)}",
     )
 
+    @model_validator(mode="after")
+    def _curve_keys(self) -> WorkerFlags:
+        self.curve()
+        return self
 
-def curve_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CurveClient | None:
-    """The publisher's CURVE keys from ``--curve-secret-key``/``--curve-server-key``; a
-    usage error (exit 2) naming the flag and the file when they are unusable."""
-    secret, server = args.curve_secret_key, args.curve_server_key
-    if secret is None and server is None:
-        return None
-    if secret is None or server is None:
-        parser.error("--curve-secret-key and --curve-server-key go together")
-    try:
-        return CurveClient.from_files(secret, server)
-    except CurveKeyError as exc:
-        parser.error(f"--curve-secret-key/--curve-server-key: {exc}")
+    def curve(self) -> CurveClient | None:
+        """The publisher's CURVE keys, or None; ValueError naming both flags and the file."""
+        secret, server = self.curve_secret_key, self.curve_server_key
+        if secret is None and server is None:
+            return None
+        if secret is None or server is None:
+            raise ValueError("--curve-secret-key and --curve-server-key go together")
+        try:
+            return CurveClient.from_files(secret, server)
+        except CurveKeyError as exc:
+            raise ValueError(f"--curve-secret-key/--curve-server-key: {exc}") from None
 
 
 # ---------------------------------------------------------------------------

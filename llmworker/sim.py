@@ -18,28 +18,23 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from pydantic import AfterValidator, model_validator
 
 from extproc.events.curve import CurveClient
 from extproc.events.publisher import EventPublisher, PublisherError
 from extproc.events.schema import ConfigEvent
 from extproc.openai.request import estimate_tokens
 from llmworker import cli
-from llmworker.admission import (
-    ENGINE_LIMIT_ENV,
-    Admission,
-    AdmissionConfig,
-    AdmissionConfigError,
-    Overloaded,
-)
+from llmworker.admission import Admission, AdmissionConfig, Overloaded
 from llmworker.engine import (
     EngineConfig,
     EngineStopped,
@@ -49,6 +44,7 @@ from llmworker.engine import (
 )
 from llmworker.httpserver import json_error, listen, rejection_response
 from llmworker.netaddr import advertised_endpoint, join_host_port
+from llmworker.settings import Number, Whole, option
 
 log = logging.getLogger("llmworker.sim")
 
@@ -592,181 +588,222 @@ def _embedding(item: Any, dim: int, fmt: str) -> list[float] | str:
 # command line ----------------------------------------------------------------
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
-    return value
+def _port(v: int) -> int:
+    if not 0 <= v <= 65535:
+        raise ValueError("expected a port 0-65535")
+    return v
+
+
+def _host(text: str) -> str:
+    """A listen address; an IPv6 one may be in brackets (they are removed)."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError("expected an IP address or host name") from None
+    return host
+
+
+_ENGINE = EngineConfig()
+
+
+class SimFlags(cli.WorkerFlags):
+    """The simulated worker's settings table."""
+
+    GROUPS: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "server": ("server", None),
+        "engine": ("engine", None),
+        **cli.WorkerFlags.GROUPS,
+    }
+
+    host: Annotated[str, AfterValidator(_host)] = option(
+        "127.0.0.1", "--host", "server", "listen address", expected="an IP address or host name"
+    )
+    port: Annotated[Whole, AfterValidator(_port)] = option(
+        8001, "--port", "server", "listen TCP port (0 = any free)", expected="a port 0-65535"
+    )
+    model: str = option("sim-model", "--model", "server", "served model name", expected="a name")
+    worker_id: str | None = option(
+        None,
+        "--worker-id",
+        "server",
+        "stable worker id in events and the x-worker-id header (default: sim-<port>)",
+        expected="an id",
+    )
+    default_max_tokens: Whole = option(
+        16,
+        "--default-max-tokens",
+        "server",
+        "output tokens when a request sets no max_tokens",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    embedding_dim: Whole = option(
+        8,
+        "--embedding-dim",
+        "server",
+        "length of the vectors /v1/embeddings returns",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    shutdown_timeout: Number = option(
+        5.0,
+        "--shutdown-timeout",
+        "server",
+        "seconds in-flight requests get to finish on SIGTERM",
+        expected="a finite number >= 0",
+        ge=0,
+    )
+    kv_total_blocks: Whole = option(
+        _ENGINE.kv_total_blocks,
+        "--kv-total-blocks",
+        "engine",
+        "KV cache capacity per DP rank, in blocks",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    block_size: Whole = option(
+        _ENGINE.block_size,
+        "--block-size",
+        "engine",
+        "tokens per KV block",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    max_num_seqs: Whole = option(
+        _ENGINE.max_num_seqs,
+        "--max-num-seqs",
+        "engine",
+        "most sequences running at once per rank",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    max_num_batched_tokens: Whole = option(
+        _ENGINE.max_num_batched_tokens,
+        "--max-num-batched-tokens",
+        "engine",
+        "token budget of one step (chunked prefill), in tokens",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    dp_size: Whole = option(
+        1,
+        "--dp-size",
+        "engine",
+        "data-parallel ranks (one engine each) behind this endpoint",
+        expected="an integer >= 1",
+        ge=1,
+    )
+    speedup: Number = option(
+        _ENGINE.speedup,
+        "--speedup",
+        "engine",
+        "time scale: every modelled duration is divided by this (1 = real pace)",
+        expected="a finite number > 0",
+        gt=0,
+    )
+    step_base_ms: Number = option(
+        _ENGINE.step_base_s * 1e3,
+        "--step-base-ms",
+        "engine",
+        "fixed cost of one engine step, in milliseconds at speedup 1",
+        expected="a finite number >= 0",
+        ge=0,
+    )
+    step_prefill_token_us: Number = option(
+        _ENGINE.step_prefill_token_s * 1e6,
+        "--step-prefill-token-us",
+        "engine",
+        "cost per prefill token in a step, in microseconds at speedup 1",
+        expected="a finite number >= 0",
+        ge=0,
+    )
+    step_decode_seq_us: Number = option(
+        _ENGINE.step_decode_seq_s * 1e6,
+        "--step-decode-seq-us",
+        "engine",
+        "cost per decoding sequence in a step, in microseconds at speedup 1",
+        expected="a finite number >= 0",
+        ge=0,
+    )
+    no_preemption: bool = option(
+        False,
+        "--no-preemption",
+        "engine",
+        "reserve KV for the whole output at admission instead of preempting",
+        action="store_true",
+        expected="a switch",
+    )
+    publish: list[cli.ZmqEndpoint] = option(
+        [],
+        "--publish",
+        "events",
+        "ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 "
+        "(repeatable); unset = publish nothing",
+        metavar="ENDPOINT",
+        action="append",
+        expected="a ZeroMQ endpoint like tcp://127.0.0.1:5557",
+    )
+    advertise: cli.EventEndpoint | None = option(
+        None,
+        "--advertise",
+        "events",
+        "endpoint announced in config events (default: --host and the bound port)",
+        metavar="HOST:PORT",
+        expected="HOST:PORT",
+    )
+
+    @model_validator(mode="after")
+    def _engine_config(self) -> SimFlags:
+        self.engine()
+        return self
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(
+            kv_total_blocks=self.kv_total_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            step_base_s=self.step_base_ms / 1e3,
+            step_prefill_token_s=self.step_prefill_token_us / 1e6,
+            step_decode_seq_s=self.step_decode_seq_us / 1e6,
+            speedup=self.speedup,
+            preemption=not self.no_preemption,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = EngineConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m llmworker.sim",
-        description="Simulated OpenAI-compatible LLM worker (vLLM-like continuous batching) "
+    return SimFlags.build_parser(
+        "python -m llmworker.sim",
+        "Simulated OpenAI-compatible LLM worker (vLLM-like continuous batching) "
         "that publishes its load to the extproc.",
-        formatter_class=cli.HelpFormatter,
     )
-    srv = p.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1", help="listen address")
-    srv.add_argument("--port", type=_port, default=8001, help="listen TCP port (0 = any free)")
-    srv.add_argument("--model", default="sim-model", help="served model name")
-    srv.add_argument(
-        "--worker-id",
-        help="stable worker id in events and the x-worker-id header (default: sim-<port>)",
-    )
-    srv.add_argument(
-        "--default-max-tokens",
-        type=cli.positive_int,
-        default=16,
-        help="output tokens when a request sets no max_tokens",
-    )
-    srv.add_argument(
-        "--embedding-dim",
-        type=cli.positive_int,
-        default=8,
-        help="length of the vectors /v1/embeddings returns",
-    )
-    srv.add_argument(
-        "--shutdown-timeout",
-        type=cli.non_negative_number,
-        default=5.0,
-        help="seconds in-flight requests get to finish on SIGTERM",
-    )
-    cli.add_log_level_flag(srv)
-    eng = p.add_argument_group("engine")
-    eng.add_argument(
-        "--kv-total-blocks",
-        type=cli.positive_int,
-        default=d.kv_total_blocks,
-        help="KV cache capacity per DP rank, in blocks",
-    )
-    eng.add_argument(
-        "--block-size", type=cli.positive_int, default=d.block_size, help="tokens per KV block"
-    )
-    eng.add_argument(
-        "--max-num-seqs",
-        type=cli.positive_int,
-        default=d.max_num_seqs,
-        help="most sequences running at once per rank",
-    )
-    eng.add_argument(
-        "--max-num-batched-tokens",
-        type=cli.positive_int,
-        default=d.max_num_batched_tokens,
-        help="token budget of one step (chunked prefill), in tokens",
-    )
-    eng.add_argument(
-        "--dp-size",
-        type=cli.positive_int,
-        default=1,
-        help="data-parallel ranks (one engine each) behind this endpoint",
-    )
-    eng.add_argument(
-        "--speedup",
-        type=cli.positive_number,
-        default=d.speedup,
-        help="time scale: every modelled duration is divided by this (1 = real pace)",
-    )
-    eng.add_argument(
-        "--step-base-ms",
-        type=cli.non_negative_number,
-        default=d.step_base_s * 1e3,
-        help="fixed cost of one engine step, in milliseconds at speedup 1",
-    )
-    eng.add_argument(
-        "--step-prefill-token-us",
-        type=cli.non_negative_number,
-        default=d.step_prefill_token_s * 1e6,
-        help="cost per prefill token in a step, in microseconds at speedup 1",
-    )
-    eng.add_argument(
-        "--step-decode-seq-us",
-        type=cli.non_negative_number,
-        default=d.step_decode_seq_s * 1e6,
-        help="cost per decoding sequence in a step, in microseconds at speedup 1",
-    )
-    eng.add_argument(
-        "--no-preemption",
-        action="store_true",
-        help="reserve KV for the whole output at admission instead of preempting",
-    )
-    adm = p.add_argument_group("worker-side admission", cli.ADMISSION_ENV_HELP)
-    adm.add_argument(
-        "--engine-request-limit",
-        metavar="N",
-        help=f"requests inside the engine at once (env {ENGINE_LIMIT_ENV}); unset = admission off",
-    )
-    ev = p.add_argument_group("load events")
-    ev.add_argument(
-        "--publish",
-        action="append",
-        type=cli.zmq_endpoint,
-        default=[],
-        metavar="ENDPOINT",
-        help="ZeroMQ endpoint of the extproc event socket, e.g. tcp://127.0.0.1:5557 "
-        "(repeatable); unset = publish nothing",
-    )
-    ev.add_argument(
-        "--advertise",
-        type=cli.event_endpoint,
-        metavar="HOST:PORT",
-        help="endpoint announced in config events (default: --host and the bound port)",
-    )
-    cli.add_event_timing_flags(ev)
-    return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[SimSettings, str | None]:
-    """(settings, startup warning or None); exits 2 with a message on a bad flag."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        admission, warning = AdmissionConfig.from_env(args.engine_request_limit)
-    except AdmissionConfigError as exc:
-        parser.error(str(exc))
-    try:
-        engine = EngineConfig(
-            kv_total_blocks=args.kv_total_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            step_base_s=args.step_base_ms / 1e3,
-            step_prefill_token_s=args.step_prefill_token_us / 1e6,
-            step_decode_seq_s=args.step_decode_seq_us / 1e6,
-            speedup=args.speedup,
-            preemption=not args.no_preemption,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    host = args.host
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        if ":" in host:
-            ipaddress.IPv6Address(host)
-    except ValueError:
-        parser.error(f"--host {args.host!r} is not a valid address")
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[SimSettings, str | None]:
+    """(settings, startup warning or None); exits 2 with a message on a bad setting."""
+    flags = SimFlags.parse(build_parser(), argv, environ)
+    admission, warning = flags.admission_config()
     settings = SimSettings(
-        host=host,
-        port=args.port,
-        model=args.model,
-        worker_id=args.worker_id or f"sim-{args.port or uuid.uuid4().hex[:8]}",
-        engine=engine,
+        host=flags.host,
+        port=flags.port,
+        model=flags.model,
+        worker_id=flags.worker_id or f"sim-{flags.port or uuid.uuid4().hex[:8]}",
+        engine=flags.engine(),
         admission=admission,
-        dp_size=args.dp_size,
-        publish=tuple(args.publish),
-        advertise=args.advertise,
-        heartbeat=args.heartbeat,
-        curve=cli.curve_client(parser, args),
-        debounce=args.debounce_ms / 1e3,
-        default_max_tokens=args.default_max_tokens,
-        embedding_dim=args.embedding_dim,
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
+        dp_size=flags.dp_size,
+        publish=tuple(flags.publish),
+        advertise=flags.advertise,
+        heartbeat=flags.heartbeat,
+        curve=flags.curve(),
+        debounce=flags.debounce_ms / 1e3,
+        default_max_tokens=flags.default_max_tokens,
+        embedding_dim=flags.embedding_dim,
+        shutdown_timeout=flags.shutdown_timeout,
+        log_level=flags.log_level,
     )
     return settings, warning
 

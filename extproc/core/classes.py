@@ -4,9 +4,9 @@ A class is a name, a priority and its share of every busy threshold (critical 1.
 configured limits; sheddable 0.7 sees a worker as busy at 70 % of them). A class may also
 set a prompt size above which its requests use a lower share, so a flood of huge prompts
 is shed before short interactive requests of the same class. Classes come from a YAML file
-(``--classes-file``), validated once at startup; a request names its class in a header
-(docs/classes.md). Without a file there is one class with the full share: the behaviour
-without classes, exactly.
+(``--classes-file``), checked once at startup against :mod:`extproc.core.class_schema`; a
+request names its class in a header (docs/classes.md). Without a file there is one class
+with the full share: the behaviour without classes, exactly.
 
 The pool keeps a busy flag per worker and *variant* (a class, or a class's large-prompt
 share): :meth:`ClassTable.variant` maps a request to the index the decision reads.
@@ -14,21 +14,20 @@ share): :meth:`ClassTable.variant` maps a request to the index the decision read
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.core.busy import DECODE, FULL_SHARE, PREFILL, PREFILL_FRAC, Share
+from extproc.core.class_schema import (
+    DEFAULT_HEADER,
+    ClassSettings,
+    check_class,
+    check_table,
+    to_share,
+)
+from extproc.core.class_schema import ClassConfigError as ClassConfigError  # the error of parse_*
 from extproc.core.pool import WorkerPool
-
-DEFAULT_HEADER = "x-request-class"
-REJECTION_STATUSES = (429, 503, 529)
-MAX_SHARE = 10.0
-
-
-class ClassConfigError(ValueError):
-    """A class table that cannot be used; the message names the key and the value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +80,9 @@ class ClassTable:
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
         if self.default not in names:
-            raise ClassConfigError(f"default: {self.default!r} is not one of the classes")
+            raise ClassConfigError(
+                f"default: {self.default!r} is not one of the classes", ("default",)
+            )
         ordered = [self.by_name(self.default)] + [c for c in self.classes if c.name != self.default]
         for i, c in enumerate(ordered):
             self._index[c.name] = i
@@ -151,124 +152,37 @@ class ClassTable:
         return out
 
 
-# ----- parsing and validation (pure: the file is read by the caller) -------------------
+# ----- from the checked schema (extproc.core.class_schema) ------------------------------
 
 
-def _where(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def _request_class(name: str, s: ClassSettings) -> RequestClass:
+    lp = s.large_prompt
+    return RequestClass(
+        name,
+        s.priority,
+        to_share(s.share),
+        s.status,
+        s.retry_after,
+        None if lp is None else lp.above_tokens,
+        None if lp is None else to_share(lp.share),
+    )
 
 
-def _number(raw: object, where: str, lo: float, hi: float, what: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-        raise ClassConfigError(f"{where}: {raw!r} is not a number; expected {what}")
-    value = float(raw)
-    if not math.isfinite(value) or not lo < value <= hi:
-        raise ClassConfigError(f"{where}: {raw!r} is out of range; expected {what}")
-    return value
-
-
-def _int(raw: object, where: str, lo: int, hi: int, what: str) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
-        raise ClassConfigError(f"{where}: {raw!r} is not {what}")
-    return raw
-
-
-def parse_share(raw: object, where: str) -> Share:
-    """A number (every threshold) or a mapping of threshold name to share."""
-    what = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
-    if isinstance(raw, dict):
-        unknown = set(raw) - {DECODE, PREFILL, PREFILL_FRAC}
-        if unknown:
-            raise ClassConfigError(
-                f"{where}: unknown threshold {sorted(unknown)[0]!r}; expected "
-                f"{DECODE}, {PREFILL} or {PREFILL_FRAC}"
-            )
-        values = {k: _number(v, _where(where, k), 0.0, MAX_SHARE, what) for k, v in raw.items()}
-        return Share(
-            values.get(DECODE, 1.0), values.get(PREFILL, 1.0), values.get(PREFILL_FRAC, 1.0)
-        )
-    value = _number(raw, where, 0.0, MAX_SHARE, what)
-    return Share(value, value, value)
-
-
-_CLASS_KEYS = {"priority", "share", "status", "retry_after", "large_prompt"}
-
-
-def parse_class(name: object, raw: object, where: str) -> RequestClass:
-    if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
-        raise ClassConfigError(f"{where}: class name {name!r} must be 1-64 printable characters")
-    if not isinstance(raw, dict):
-        raise ClassConfigError(f"{where}: {raw!r} is not a mapping of class settings")
-    unknown = set(raw) - _CLASS_KEYS
-    if unknown:
-        raise ClassConfigError(
-            f"{_where(where, sorted(unknown)[0])}: unknown key; expected one of "
-            f"{', '.join(sorted(_CLASS_KEYS))}"
-        )
-    priority = _int(raw.get("priority", 0), _where(where, "priority"), 0, 1000, "an integer 0-1000")
-    share = parse_share(raw.get("share", 1.0), _where(where, "share"))
-    status = raw.get("status")
-    if status is not None and status not in REJECTION_STATUSES:
-        raise ClassConfigError(
-            f"{_where(where, 'status')}: {status!r} is not one of "
-            f"{', '.join(map(str, REJECTION_STATUSES))}"
-        )
-    retry = raw.get("retry_after")
-    if retry is not None:
-        retry = _int(retry, _where(where, "retry_after"), 1, 60, "whole seconds 1-60")
-    tokens = large = None
-    lp = raw.get("large_prompt")
-    if lp is not None:
-        lw = _where(where, "large_prompt")
-        if not isinstance(lp, dict) or set(lp) != {"above_tokens", "share"}:
-            raise ClassConfigError(f"{lw}: {lp!r} must have exactly above_tokens and share")
-        tokens = _int(lp["above_tokens"], _where(lw, "above_tokens"), 1, 2**31, "tokens >= 1")
-        large = parse_share(lp["share"], _where(lw, "share"))
-    return RequestClass(name, priority, share, status, retry, tokens, large)
-
-
-_TABLE_KEYS = {"classes", "default", "header", "trusted_marker"}
+def parse_class(name: str, raw: object) -> RequestClass:
+    """One class's settings (a mapping of the keys of a class in the file)."""
+    return _request_class(name, check_class(name, raw))
 
 
 def parse_table(raw: object) -> ClassTable:
     """A validated :class:`ClassTable` from the parsed YAML document."""
-    if not isinstance(raw, dict):
-        raise ClassConfigError(f"the document is {type(raw).__name__}, expected a mapping")
-    unknown = set(raw) - _TABLE_KEYS
-    if unknown:
-        raise ClassConfigError(
-            f"{sorted(unknown)[0]}: unknown key; expected one of {', '.join(sorted(_TABLE_KEYS))}"
-        )
-    classes = raw.get("classes")
-    if not isinstance(classes, dict) or not classes:
-        raise ClassConfigError("classes: expected a mapping of class name to its settings")
-    parsed = tuple(parse_class(n, v, f"classes.{n}") for n, v in classes.items())
-    default = raw.get("default")
-    if not isinstance(default, str):
-        raise ClassConfigError(f"default: {default!r} is not a class name")
-    header = raw.get("header", DEFAULT_HEADER)
-    if not isinstance(header, str) or not header or header.lower() != header or ":" in header:
-        raise ClassConfigError(f"header: {header!r} is not a lower-case HTTP header name")
-    marker = raw.get("trusted_marker")
-    trusted: tuple[str, str | None] | None = None
-    if marker is not None:
-        if (
-            not isinstance(marker, dict)
-            or "header" not in marker
-            or set(marker)
-            - {
-                "header",
-                "value",
-            }
-        ):
-            raise ClassConfigError(f"trusted_marker: {marker!r} needs header (and may have value)")
-        mh, mv = marker["header"], marker.get("value")
-        if not isinstance(mh, str) or not mh or mh.lower() != mh:
-            raise ClassConfigError(f"trusted_marker.header: {mh!r} is not a lower-case header")
-        if mv is not None and not isinstance(mv, str):
-            raise ClassConfigError(f"trusted_marker.value: {mv!r} is not a string")
-        trusted = (mh, mv)
-    return ClassTable(parsed, default, header, trusted)
+    doc = check_table(raw)
+    marker = doc.trusted_marker
+    return ClassTable(
+        tuple(_request_class(n, c) for n, c in doc.classes.items()),
+        doc.default,
+        doc.header,
+        None if marker is None else (marker.header, marker.value),
+    )
 
 
 class ClassRegistry:
@@ -300,7 +214,7 @@ class ClassRegistry:
             return current
         raw = {k: v for k, v in current.as_dict().items() if k != "name"}
         raw.update(changes)
-        updated = parse_class(name, raw, f"classes.{name}")
+        updated = parse_class(name, raw)
         self.stamps[name] = stamp if stamp is not None else (held[0] + 1, self.pool.replica_id)
         table = ClassTable(
             tuple(updated if c.name == name else c for c in self.table.classes),
