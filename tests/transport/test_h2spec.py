@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import ROOT
-from extproc.transport import h2server as h2
+from extproc.transport.h2.grpc_wire import grpc_message
 from extproc.transport.h2server import GrpcServer
 
 PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -108,7 +108,7 @@ async def test_h2load_many_streams_on_few_connections(server: GrpcServer, tmp_pa
     if not h2load:
         pytest.skip("h2load not found (Debian: apt-get install nghttp2-client)")
     body = tmp_path / "message.bin"
-    body.write_bytes(h2.grpc_message(b"x" * 200))
+    body.write_bytes(grpc_message(b"x" * 200))
     n = 20_000
     code, out = await _run(
         [h2load, "-n", str(n), "-c", "4", "-m", "64", "-d", str(body),
