@@ -1,8 +1,8 @@
 """HTTP/2 frames (RFC 9113 §4, §6): the preface, frame types, flags, codes, serialising.
 
 A frame is a 9-byte head (24-bit length, type, flags, 31-bit stream id) and its payload.
-Reading them is the connection's ``data_received`` loop, inline on purpose: a call per
-frame there would cost more than the rest of the frame's handling.
+Reading them is the connection's ``data_received`` loop, inline on purpose: the hot path
+makes no call per frame beyond the frame's own handling.
 """
 
 from __future__ import annotations
