@@ -58,7 +58,8 @@ class GrpcServer:
             return []
         return sorted({s.getsockname()[1] for s in self._server.sockets})
 
-    def _connection_closed(self) -> None:
+    def connection_closed(self) -> None:
+        """Called by a connection that has gone (after it left ``connections``)."""
         if not self.connections:
             self._idle.set()
 
@@ -74,6 +75,6 @@ class GrpcServer:
                 await asyncio.wait_for(self._idle.wait(), grace)
             except TimeoutError:
                 for conn in list(self.connections):
-                    conn._close()
+                    conn.close()
         if self._server is not None:
             await self._server.wait_closed()

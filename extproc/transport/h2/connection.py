@@ -216,7 +216,7 @@ class H2Connection(asyncio.Protocol):
         for st in list(self.streams.values()):
             self._end_session(st)
         self.streams.clear()
-        self.server._connection_closed()
+        self.server.connection_closed()
 
     def pause_writing(self) -> None:
         # The peer is not reading what we send: stop reading what it sends.
@@ -303,7 +303,7 @@ class H2Connection(asyncio.Protocol):
                 raise ProtocolError(PROTOCOL_ERROR, "GOAWAY on a stream")
             self.going_away = True
             if not self.streams:
-                self._close()
+                self.close()
         elif kind == PUSH_PROMISE:
             raise ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # Unknown frame types are ignored (RFC 9113 §5.5).
@@ -604,7 +604,7 @@ class H2Connection(asyncio.Protocol):
             self._remember(st.id, CLOSED_BY_US)
         if self.going_away and not self.streams:
             self._flush()
-            self._close()
+            self.close()
 
     def _reset(self, st: _Stream, code: int) -> None:
         self.streams.pop(st.id, None)
@@ -624,9 +624,10 @@ class H2Connection(asyncio.Protocol):
         goaway = self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + message.encode()
         self.out.append(frame(GOAWAY, 0, 0, goaway))
         self._flush()
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close the socket now; open streams end with it."""
         if not self.closed and self.transport is not None:
             self.closed = True
             self.transport.close()
@@ -640,7 +641,7 @@ class H2Connection(asyncio.Protocol):
         self.out.append(frame(GOAWAY, 0, 0, goaway))
         self._flush()
         if not self.streams:
-            self._close()
+            self.close()
 
     # ----- keepalive -------------------------------------------------------------------
 
@@ -656,7 +657,7 @@ class H2Connection(asyncio.Protocol):
             log.warning("closing an ext_proc connection: no PING ack within %.0fs",
                         self.server.keepalive_timeout)  # fmt: skip
             self.server.closed_for["keepalive_timeout"] += 1
-            self._close()
+            self.close()
             return
         if self.ping_due is None and now - self.last_read >= self.server.keepalive_time:
             self.ping_due = now + self.server.keepalive_timeout
