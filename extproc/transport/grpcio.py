@@ -1,6 +1,6 @@
 """grpcio's asyncio server for the one bidirectional method (``--grpc-server grpcio``).
 
-The same sessions as the builtin server (:mod:`extproc.transport.h2server`) behind
+The same sessions (:mod:`extproc.transport.session`) as the builtin server behind
 grpcio: raw message bytes in and out, a session per stream from the call's metadata.
 Knows nothing of ext_proc beyond the method's path.
 """
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from extproc.transport.h2server import SessionFactory
+from extproc.transport.session import SessionFactory
 
 # Envoy pings its HTTP/2 upstreams (connection_keepalive); grpc-python's defaults
 # answer frequent pings on idle connections with GOAWAY "too_many_pings".

@@ -3,7 +3,7 @@
 Properties of a session (``ExtProcHandler.open_session``):
 - ``receive`` raises for one thing only: bytes that do not parse as a ``ProcessingRequest``
   (``google.protobuf.message.DecodeError``). Envoy never sends such bytes; the transport
-  ends that stream with grpc-status INTERNAL (``h2server._deliver``), a clean stream end
+  ends that stream with grpc-status INTERNAL (``H2Connection._deliver``), a clean stream end
   that closes the session and releases its estimate. Anything that parses gets a reply.
 - a routing session's reply is bytes that parse as a ``ProcessingResponse`` whose oneof is
   the phase asked (``request_headers`` for a message with no phase) or an

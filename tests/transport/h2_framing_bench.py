@@ -20,8 +20,10 @@ from typing import Any
 
 import hpack
 
-from extproc.transport import h2server
-from extproc.transport.h2server import GrpcServer, grpc_message
+from extproc.transport.h2 import frames
+from extproc.transport.h2.connection import MAX_STREAMS, OUR_STREAM_WINDOW, H2Connection
+from extproc.transport.h2.grpc_wire import grpc_message
+from extproc.transport.h2server import GrpcServer
 
 PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 MESSAGES = (b"h" * 300, b"b" * 200)
@@ -32,8 +34,8 @@ CHUNK = 64 << 10
 def envoy_bytes(streams: int) -> bytes:
     """What Envoy sends on one connection for ``streams`` ext_proc streams."""
     enc = hpack.Encoder()
-    out = [h2server.PREFACE, h2server.frame(h2server.SETTINGS, 0, 0)]
-    out.append(h2server.frame(h2server.WINDOW_UPDATE, 0, 0, (2**30).to_bytes(4, "big")))
+    out = [frames.PREFACE, frames.frame(frames.SETTINGS, 0, 0)]
+    out.append(frames.frame(frames.WINDOW_UPDATE, 0, 0, (2**30).to_bytes(4, "big")))
     for i in range(streams):
         sid = 2 * i + 1
         block = enc.encode(
@@ -42,12 +44,12 @@ def envoy_bytes(streams: int) -> bytes:
              ("te", "trailers"), ("x-envoy-expected-rq-timeout-ms", "5000"),
              ("grpc-timeout", "5000m")]
         )  # fmt: skip
-        out.append(h2server.frame(h2server.HEADERS, h2server.END_HEADERS, sid, block))
+        out.append(frames.frame(frames.HEADERS, frames.END_HEADERS, sid, block))
         for m in MESSAGES:
-            out.append(h2server.frame(h2server.DATA, 0, sid, grpc_message(m)))
-        out.append(h2server.frame(h2server.DATA, h2server.END_STREAM, sid))
+            out.append(frames.frame(frames.DATA, 0, sid, grpc_message(m)))
+        out.append(frames.frame(frames.DATA, frames.END_STREAM, sid))
         if i % 100 == 99:  # Envoy's window updates for our replies
-            out.append(h2server.frame(h2server.WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
+            out.append(frames.frame(frames.WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
     return b"".join(out)
 
 
@@ -83,7 +85,7 @@ class _Session:
 
 async def builtin(data: bytes) -> tuple[float, int]:
     server = GrpcServer(PATH, lambda md: _Session())
-    conn = h2server.H2Connection(server)
+    conn = H2Connection(server)
     sink = _Sink()
     conn.connection_made(sink)  # type: ignore[arg-type]
     start = time.process_time()
@@ -107,12 +109,12 @@ def hyper(data: bytes) -> tuple[float, int]:
     conn.local_settings = h2.settings.Settings(
         client=False,
         initial_values={
-            codes.MAX_CONCURRENT_STREAMS: h2server.MAX_STREAMS,
-            codes.INITIAL_WINDOW_SIZE: h2server.OUR_STREAM_WINDOW,
+            codes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+            codes.INITIAL_WINDOW_SIZE: OUR_STREAM_WINDOW,
         },
     )
     conn.initiate_connection()
-    conn.increment_flow_control_window(h2server.MAX_WINDOW - h2server.DEFAULT_WINDOW)
+    conn.increment_flow_control_window(frames.MAX_WINDOW - frames.DEFAULT_WINDOW)
     conn.data_to_send()
     inbox: dict[int, bytearray] = {}
     started: set[int] = set()

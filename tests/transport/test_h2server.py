@@ -12,8 +12,12 @@ import grpc
 import hpack
 import pytest
 
-from extproc.transport import h2server as h2
-from extproc.transport.h2server import Deferred, GrpcServer
+from extproc.transport.h2 import frames
+from extproc.transport.h2.connection import MAX_STREAMS, OUR_MAX_FRAME
+from extproc.transport.h2.grpc_wire import grpc_message
+from extproc.transport.h2.headers import changes_table
+from extproc.transport.h2server import GrpcServer
+from extproc.transport.session import Deferred, Session
 
 PATH = "/test.Echo/Chat"
 
@@ -27,7 +31,7 @@ class Recorder:
         self.opened = 0
         self.gate = asyncio.Event()
 
-    def factory(self, metadata: Mapping[str, str]) -> h2.Session:
+    def factory(self, metadata: Mapping[str, str]) -> Session:
         self.metadata.append(metadata)
         self.opened += 1
         return _EchoSession(self, self.opened, metadata.get("x-prefix", ""))
@@ -270,21 +274,21 @@ class RawPeer:
         self.encoder = hpack.Encoder()
 
     @classmethod
-    async def connect(cls, server: GrpcServer, preface: bytes = h2.PREFACE) -> RawPeer:
+    async def connect(cls, server: GrpcServer, preface: bytes = frames.PREFACE) -> RawPeer:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.ports[0])
         peer = cls(reader, writer)
         writer.write(preface)
         return peer
 
     def send(self, kind: int, flags: int, sid: int, payload: bytes = b"") -> None:
-        self.writer.write(h2.frame(kind, flags, sid, payload))
+        self.writer.write(frames.frame(kind, flags, sid, payload))
 
     def open(self, sid: int, path: str = PATH) -> None:
         block = self.encoder.encode(
             [(":method", "POST"), (":scheme", "http"), (":path", path),
              (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")]
         )  # fmt: skip
-        self.send(h2.HEADERS, h2.END_HEADERS, sid, block)
+        self.send(frames.HEADERS, frames.END_HEADERS, sid, block)
 
     async def frame(self, timeout: float = 5.0) -> tuple[int, int, int, bytes] | None:
         """The next frame, or None once the server has closed the connection."""
@@ -307,7 +311,7 @@ class RawPeer:
 
 
 async def _goaway_code(peer: RawPeer) -> int:
-    f = await peer.until(h2.GOAWAY)
+    f = await peer.until(frames.GOAWAY)
     assert f is not None, "no GOAWAY before close"
     assert await peer.frame() is None, "connection stays open after GOAWAY"
     return int.from_bytes(f[3][4:8], "big")
@@ -316,7 +320,7 @@ async def _goaway_code(peer: RawPeer) -> int:
 async def test_bad_preface_gets_goaway_protocol_error(served: tuple[GrpcServer, Recorder]) -> None:
     server, _ = served
     peer = await RawPeer.connect(server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert await _goaway_code(peer) == h2.PROTOCOL_ERROR
+    assert await _goaway_code(peer) == frames.PROTOCOL_ERROR
     assert server.closed_for == {"protocol_error": 1}
     peer.close()
 
@@ -324,10 +328,10 @@ async def test_bad_preface_gets_goaway_protocol_error(served: tuple[GrpcServer, 
 async def test_ping_is_acked_with_its_payload(served: tuple[GrpcServer, Recorder]) -> None:
     server, _ = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
-    peer.send(h2.PING, 0, 0, b"12345678")
-    f = await peer.until(h2.PING)
-    assert f is not None and f[1] == h2.ACK and f[3] == b"12345678"
+    peer.send(frames.SETTINGS, 0, 0)
+    peer.send(frames.PING, 0, 0, b"12345678")
+    f = await peer.until(frames.PING)
+    assert f is not None and f[1] == frames.ACK and f[3] == b"12345678"
     peer.close()
 
 
@@ -336,29 +340,29 @@ async def test_oversize_frame_gets_goaway_frame_size_error(
 ) -> None:
     server, _ = served
     peer = await RawPeer.connect(server)
-    n = h2.OUR_MAX_FRAME + 1
-    peer.writer.write(bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, h2.DATA, 0)) + b"\0\0\0\1")
-    assert await _goaway_code(peer) == h2.FRAME_SIZE_ERROR
+    n = OUR_MAX_FRAME + 1
+    peer.writer.write(bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, frames.DATA, 0)) + b"\0\0\0\1")
+    assert await _goaway_code(peer) == frames.FRAME_SIZE_ERROR
     peer.close()
 
 
 async def test_reply_waits_for_the_peer_window(served: tuple[GrpcServer, Recorder]) -> None:
     server, _ = served
     peer = await RawPeer.connect(server)
-    window = h2.S_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (100).to_bytes(4, "big")
-    peer.send(h2.SETTINGS, 0, 0, window)
+    window = frames.S_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (100).to_bytes(4, "big")
+    peer.send(frames.SETTINGS, 0, 0, window)
     peer.open(1)
     message = b"y" * 1000
-    peer.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(message))
-    data = await peer.until(h2.DATA)
+    peer.send(frames.DATA, frames.END_STREAM, 1, grpc_message(message))
+    data = await peer.until(frames.DATA)
     assert data is not None and len(data[3]) == 100  # only what the stream window allows
     with pytest.raises(TimeoutError):
         await peer.frame(timeout=0.2)
-    peer.send(h2.WINDOW_UPDATE, 0, 1, (5000).to_bytes(4, "big"))
-    rest = await peer.until(h2.DATA)
-    assert rest is not None and data[3] + rest[3] == h2.grpc_message(message)
-    trailers = await peer.until(h2.HEADERS)
-    assert trailers is not None and trailers[1] & h2.END_STREAM
+    peer.send(frames.WINDOW_UPDATE, 0, 1, (5000).to_bytes(4, "big"))
+    rest = await peer.until(frames.DATA)
+    assert rest is not None and data[3] + rest[3] == grpc_message(message)
+    trailers = await peer.until(frames.HEADERS)
+    assert trailers is not None and trailers[1] & frames.END_STREAM
     fields = cast(dict[str, str], dict(hpack.Decoder().decode(trailers[3])))
     assert fields["grpc-status"] == "0"
     peer.close()
@@ -405,12 +409,12 @@ async def test_keepalive_pings_an_idle_peer_and_drops_one_that_never_acks() -> N
     server, stop = await _keepalive_server(rec, 0.2, 0.3)
     try:
         peer = await RawPeer.connect(server)
-        peer.send(h2.SETTINGS, 0, 0)
+        peer.send(frames.SETTINGS, 0, 0)
         peer.open(1)
-        ping = await peer.until(h2.PING, timeout=3)
-        assert ping is not None and not ping[1] & h2.ACK
+        ping = await peer.until(frames.PING, timeout=3)
+        assert ping is not None and not ping[1] & frames.ACK
         # No ACK: the server closes the connection and the stream's session.
-        assert await peer.until(h2.GOAWAY, timeout=3) is None
+        assert await peer.until(frames.GOAWAY, timeout=3) is None
         await _until(lambda: rec.closed == [1], "session closed with its connection")
         assert server.closed_for == {"keepalive_timeout": 1}
         peer.close()
@@ -423,11 +427,11 @@ async def test_keepalive_keeps_a_peer_that_acks() -> None:
     server, stop = await _keepalive_server(rec, 0.1, 0.2)
     try:
         peer = await RawPeer.connect(server)
-        peer.send(h2.SETTINGS, 0, 0)
+        peer.send(frames.SETTINGS, 0, 0)
         for _ in range(4):
-            ping = await peer.until(h2.PING, timeout=3)
+            ping = await peer.until(frames.PING, timeout=3)
             assert ping is not None
-            peer.send(h2.PING, h2.ACK, 0, ping[3])
+            peer.send(frames.PING, frames.ACK, 0, ping[3])
         assert len(server.connections) == 1
         assert not server.closed_for
         peer.close()
@@ -455,15 +459,15 @@ def test_changes_table_reads_each_representation() -> None:
     enc = hpack.Encoder()
     first = enc.encode([(":method", "POST"), ("x-prefix", "one")])
     again = enc.encode([(":method", "POST"), ("x-prefix", "one")])  # indexed only now
-    assert h2.changes_table(first)
-    assert not h2.changes_table(again)
-    assert not h2.changes_table(b"\x83" + _path_literal())
+    assert changes_table(first)
+    assert not changes_table(again)
+    assert not changes_table(b"\x83" + _path_literal())
     never = b"\x10" + _string("x-secret") + _string("s")  # never indexed, new name
-    assert not h2.changes_table(never + b"\xbe")
-    assert h2.changes_table(b"\x83" + _indexed_new("x-a", "b"))
-    assert h2.changes_table(b"\x3f\xe1\x1f")  # dynamic table size update
-    assert h2.changes_table(b"\x83\x04\x30abc")  # truncated string: never cached
-    assert h2.changes_table(b"\xff")  # truncated integer
+    assert not changes_table(never + b"\xbe")
+    assert changes_table(b"\x83" + _indexed_new("x-a", "b"))
+    assert changes_table(b"\x3f\xe1\x1f")  # dynamic table size update
+    assert changes_table(b"\x83\x04\x30abc")  # truncated string: never cached
+    assert changes_table(b"\xff")  # truncated integer
 
 
 async def test_repeated_block_decodes_against_the_current_table(
@@ -471,7 +475,7 @@ async def test_repeated_block_decodes_against_the_current_table(
 ) -> None:
     server, rec = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(frames.SETTINGS, 0, 0)
     head = b"\x83\x86" + _path_literal()  # :method POST, :scheme http, :path
     refers = head + b"\xbe"  # dynamic index 62: the newest entry, whatever it is by then
     blocks = [
@@ -482,7 +486,7 @@ async def test_repeated_block_decodes_against_the_current_table(
         refers,  # the same bytes as before must decode to "two"
     ]
     for i, block in enumerate(blocks):
-        peer.send(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block)
+        peer.send(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, 2 * i + 1, block)
     await _until(lambda: len(rec.metadata) == len(blocks), "every stream opened")
     assert [m["x-prefix"] for m in rec.metadata] == ["one", "one", "one", "two", "two"]
     assert all(m[":path"] == PATH for m in rec.metadata)
@@ -498,15 +502,15 @@ def _u32(n: int) -> bytes:
 
 async def _rst_code(peer: RawPeer, sid: int) -> int:
     while (f := await peer.frame()) is not None:
-        if f[0] == h2.RST_STREAM and f[2] == sid:
+        if f[0] == frames.RST_STREAM and f[2] == sid:
             return int.from_bytes(f[3], "big")
     raise AssertionError(f"no RST_STREAM on stream {sid}")
 
 
 def _data_after_end(p: RawPeer) -> None:
     p.open(1)
-    p.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"x"))
-    p.send(h2.DATA, 0, 1, b"late")
+    p.send(frames.DATA, frames.END_STREAM, 1, grpc_message(b"x"))
+    p.send(frames.DATA, 0, 1, b"late")
 
 
 def _lower_stream_id(p: RawPeer) -> None:
@@ -515,23 +519,25 @@ def _lower_stream_id(p: RawPeer) -> None:
 
 
 CONNECTION_ERRORS = {
-    "RST_STREAM on stream 0": (lambda p: p.send(h2.RST_STREAM, 0, 0, _u32(0)), h2.PROTOCOL_ERROR),
+    "RST_STREAM on stream 0": (
+        lambda p: p.send(frames.RST_STREAM, 0, 0, _u32(0)), frames.PROTOCOL_ERROR),
     "RST_STREAM on an idle stream": (
-        lambda p: p.send(h2.RST_STREAM, 0, 9, _u32(0)), h2.PROTOCOL_ERROR),
-    "RST_STREAM not 4 bytes": (lambda p: p.send(h2.RST_STREAM, 0, 1, b"\0" * 3),
-                               h2.FRAME_SIZE_ERROR),
+        lambda p: p.send(frames.RST_STREAM, 0, 9, _u32(0)), frames.PROTOCOL_ERROR),
+    "RST_STREAM not 4 bytes": (lambda p: p.send(frames.RST_STREAM, 0, 1, b"\0" * 3),
+                               frames.FRAME_SIZE_ERROR),
     "WINDOW_UPDATE on an idle stream": (
-        lambda p: p.send(h2.WINDOW_UPDATE, 0, 9, _u32(1)), h2.PROTOCOL_ERROR),
+        lambda p: p.send(frames.WINDOW_UPDATE, 0, 9, _u32(1)), frames.PROTOCOL_ERROR),
     "SETTINGS ack with a payload": (
-        lambda p: p.send(h2.SETTINGS, h2.ACK, 0, b"\0" * 6), h2.FRAME_SIZE_ERROR),
+        lambda p: p.send(frames.SETTINGS, frames.ACK, 0, b"\0" * 6), frames.FRAME_SIZE_ERROR),
     "SETTINGS_ENABLE_PUSH 2": (
-        lambda p: p.send(h2.SETTINGS, 0, 0, h2.S_ENABLE_PUSH.to_bytes(2, "big") + _u32(2)),
-        h2.PROTOCOL_ERROR),
-    "PRIORITY on stream 0": (lambda p: p.send(h2.PRIORITY, 0, 0, b"\0" * 5), h2.PROTOCOL_ERROR),
-    "PING on a stream": (lambda p: p.send(h2.PING, 0, 1, b"\0" * 8), h2.PROTOCOL_ERROR),
-    "GOAWAY on a stream": (lambda p: p.send(h2.GOAWAY, 0, 1, b"\0" * 8), h2.PROTOCOL_ERROR),
-    "DATA after the peer ended the stream": (_data_after_end, h2.STREAM_CLOSED),
-    "HEADERS on a lower stream id": (_lower_stream_id, h2.PROTOCOL_ERROR),
+        lambda p: p.send(frames.SETTINGS, 0, 0, frames.S_ENABLE_PUSH.to_bytes(2, "big") + _u32(2)),
+        frames.PROTOCOL_ERROR),
+    "PRIORITY on stream 0": (
+        lambda p: p.send(frames.PRIORITY, 0, 0, b"\0" * 5), frames.PROTOCOL_ERROR),
+    "PING on a stream": (lambda p: p.send(frames.PING, 0, 1, b"\0" * 8), frames.PROTOCOL_ERROR),
+    "GOAWAY on a stream": (lambda p: p.send(frames.GOAWAY, 0, 1, b"\0" * 8), frames.PROTOCOL_ERROR),
+    "DATA after the peer ended the stream": (_data_after_end, frames.STREAM_CLOSED),
+    "HEADERS on a lower stream id": (_lower_stream_id, frames.PROTOCOL_ERROR),
 }  # fmt: skip
 
 
@@ -542,7 +548,7 @@ async def test_connection_error_gets_goaway_with_its_code(
     server, _ = served
     send, code = CONNECTION_ERRORS[case]
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(frames.SETTINGS, 0, 0)
     send(peer)
     assert await _goaway_code(peer) == code
     peer.close()
@@ -574,14 +580,14 @@ async def test_malformed_request_is_a_stream_error_and_the_connection_carries_on
 ) -> None:
     server, rec = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
-    peer.send(h2.HEADERS, h2.END_HEADERS, 1, _block(peer, MALFORMED[case]))
-    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    peer.send(frames.SETTINGS, 0, 0)
+    peer.send(frames.HEADERS, frames.END_HEADERS, 1, _block(peer, MALFORMED[case]))
+    assert await _rst_code(peer, 1) == frames.PROTOCOL_ERROR
     assert rec.opened == 0
     peer.open(3)
-    peer.send(h2.DATA, h2.END_STREAM, 3, h2.grpc_message(b"fine"))
-    data = await peer.until(h2.DATA)
-    assert data is not None and data[2] == 3 and data[3] == h2.grpc_message(b"fine")
+    peer.send(frames.DATA, frames.END_STREAM, 3, grpc_message(b"fine"))
+    data = await peer.until(frames.DATA)
+    assert data is not None and data[2] == 3 and data[3] == grpc_message(b"fine")
     peer.close()
 
 
@@ -590,21 +596,21 @@ async def test_content_length_that_does_not_match_is_a_stream_error(
 ) -> None:
     server, _ = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(frames.SETTINGS, 0, 0)
     block = _block(peer, [*GRPC_HEADERS, ("content-length", "100")])
-    peer.send(h2.HEADERS, h2.END_HEADERS, 1, block)
-    peer.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"short"))
-    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    peer.send(frames.HEADERS, frames.END_HEADERS, 1, block)
+    peer.send(frames.DATA, frames.END_STREAM, 1, grpc_message(b"short"))
+    assert await _rst_code(peer, 1) == frames.PROTOCOL_ERROR
     peer.close()
 
 
 async def test_priority_on_itself_is_a_stream_error(served: tuple[GrpcServer, Recorder]) -> None:
     server, _ = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(frames.SETTINGS, 0, 0)
     peer.open(1)
-    peer.send(h2.PRIORITY, 0, 1, _u32(1) + b"\x10")
-    assert await _rst_code(peer, 1) == h2.PROTOCOL_ERROR
+    peer.send(frames.PRIORITY, 0, 1, _u32(1) + b"\x10")
+    assert await _rst_code(peer, 1) == frames.PROTOCOL_ERROR
     peer.close()
 
 
@@ -612,14 +618,14 @@ async def test_frames_after_our_reset_are_ignored(served: tuple[GrpcServer, Reco
     """We end a stream early (RST_STREAM NO_ERROR); DATA already on its way is dropped."""
     server, _ = served
     peer = await RawPeer.connect(server)
-    peer.send(h2.SETTINGS, 0, 0)
+    peer.send(frames.SETTINGS, 0, 0)
     peer.open(1)
-    peer.send(h2.DATA, 0, 1, h2.grpc_message(b"raise"))  # the session fails: INTERNAL
-    assert await _rst_code(peer, 1) == h2.NO_ERROR
-    peer.send(h2.DATA, h2.END_STREAM, 1, h2.grpc_message(b"late"))
+    peer.send(frames.DATA, 0, 1, grpc_message(b"raise"))  # the session fails: INTERNAL
+    assert await _rst_code(peer, 1) == frames.NO_ERROR
+    peer.send(frames.DATA, frames.END_STREAM, 1, grpc_message(b"late"))
     peer.open(3)
-    peer.send(h2.DATA, h2.END_STREAM, 3, h2.grpc_message(b"next"))
-    data = await peer.until(h2.DATA)
+    peer.send(frames.DATA, frames.END_STREAM, 3, grpc_message(b"next"))
+    data = await peer.until(frames.DATA)
     assert data is not None and data[2] == 3
     assert server.closed_for == {}
     peer.close()
@@ -630,17 +636,17 @@ async def test_streams_beyond_the_advertised_limit_are_refused(
 ) -> None:
     server, rec = served
     peer = await RawPeer.connect(server)
-    settings = await peer.until(h2.SETTINGS)
+    settings = await peer.until(frames.SETTINGS)
     assert settings is not None
     advertised = {
         int.from_bytes(settings[3][i : i + 2], "big"): int.from_bytes(settings[3][i + 2 : i + 6])
         for i in range(0, len(settings[3]), 6)
     }
-    assert advertised[h2.S_MAX_CONCURRENT_STREAMS] == h2.MAX_STREAMS
-    peer.send(h2.SETTINGS, 0, 0)
-    for i in range(h2.MAX_STREAMS + 1):
+    assert advertised[frames.S_MAX_CONCURRENT_STREAMS] == MAX_STREAMS
+    peer.send(frames.SETTINGS, 0, 0)
+    for i in range(MAX_STREAMS + 1):
         peer.open(2 * i + 1)
-    last = 2 * h2.MAX_STREAMS + 1
-    assert await _rst_code(peer, last) == h2.REFUSED_STREAM
-    assert rec.opened == h2.MAX_STREAMS
+    last = 2 * MAX_STREAMS + 1
+    assert await _rst_code(peer, last) == frames.REFUSED_STREAM
+    assert rec.opened == MAX_STREAMS
     peer.close()
