@@ -135,12 +135,14 @@ class ClassTable:
             return self.by_name(self.default), True
         return self.by_name(name), False
 
-    def variant(self, cls: RequestClass, prompt_tokens: int) -> int:
-        """The pool index a request of ``cls`` with ``prompt_tokens`` is decided under."""
-        limit = cls.large_prompt_tokens
-        if limit is not None and prompt_tokens > limit and cls.name in self._large:
-            return self._large[cls.name]
-        return self._index[cls.name]
+    def variant(self, request_class: RequestClass, prompt_tokens: int) -> int:
+        """The pool index (the variant) a request of ``request_class`` with
+        ``prompt_tokens`` is decided under."""
+        name = request_class.name
+        limit = request_class.large_prompt_tokens
+        if limit is not None and prompt_tokens > limit and name in self._large:
+            return self._large[name]
+        return self._index[name]
 
     def variant_names(self) -> list[str]:
         """A label per variant index, for diagnostics: the class, or ``class/large``."""

@@ -87,9 +87,10 @@ class Rank:
         self.class_limits: list[RankLimits] = []
         self.class_reasons: list[str | None] = []
 
-    def reason_for(self, cls: int) -> str | None:
-        """The check that fires for request class ``cls`` (0 = the default class)."""
-        return self.busy_reason if cls == 0 else self.class_reasons[cls - 1]
+    def reason_for(self, variant: int) -> str | None:
+        """The check that fires for class variant ``variant`` (an index of the pool's
+        shares; 0 = the default class)."""
+        return self.busy_reason if variant == 0 else self.class_reasons[variant - 1]
 
     @property
     def has_data(self) -> bool:
@@ -167,6 +168,13 @@ class Worker:
         return (
             rank.reported_kv_total if rank.reported_kv_total is not None else self.kv_total_blocks
         )
+
+    def free_for(self, variant: int, now: float) -> bool:
+        """Whether a decision may pick this worker now for class variant ``variant`` (an
+        index of the pool's shares; 0 = the default class): not busy for it, and not
+        marked overloaded or unreachable."""
+        busy = self.busy if variant == 0 else self.busy_by_class[variant]
+        return not busy and now >= self.overloaded_until
 
     def state(self, now: float) -> str:
         """``overloaded`` (mark) else ``busy`` else ``free``: disjoint, for /health."""
