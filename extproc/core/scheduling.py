@@ -156,7 +156,7 @@ class Scheduler:
             return MODEL_NOT_FOUND if self.pool.by_model else NO_WORKERS
         picked = self._pick(workers, variant)
         if picked is None:
-            return self.overloaded(model, workers, variant)
+            return self._overloaded(model, workers, variant)
         if isinstance(picked, Queued):
             return QUEUED
         worker, rank = picked
@@ -184,13 +184,13 @@ class Scheduler:
         if waiting:
             return DEFERRED
         first = next(iter(by_model))
-        rejected = self.overloaded(first, by_model[first], variant)
+        rejected = self._overloaded(first, by_model[first], variant)
         if len(by_model) == 1:
             return rejected
         retry_after = min(self.pool.retry_after(m) for m in by_model)
         return Rejected(Outcome.OVERLOADED, retry_after, rejected.check, ANY_MODEL)
 
-    def overloaded(
+    def _overloaded(
         self, model: str, workers: list[Worker] | None = None, variant: int = 0
     ) -> Rejected:
         """The overload rejection for ``model``, with its current Retry-After estimate and
