@@ -155,7 +155,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         admin = f"{settings.admin_host}:{settings.admin_port}"
         raise StartupError(1, f"cannot listen for the admin API on {admin}: {exc}") from None
 
-    pool.replica_id = replica_id(settings)
+    pool.replica.replica_id = replica_id(settings)
     sharing = bool(settings.replica_publish)
     peers = PeerEstimates(pool, settings.replica_ttl) if sharing else None
     curve_server = curve_client = None
@@ -260,7 +260,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_prefill_tokens_threshold_frac,
         settings.overload_status,
         ",".join(map(str, settings.worker_busy_statuses)) or "off",
-        pool.replica_id,
+        pool.replica.replica_id,
         f" sharing via {', '.join(settings.replica_publish)}" if sharing else " (not sharing)",
     )
     await stop.wait()

@@ -28,6 +28,16 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Third-party or standard modules the pure core must not use: no I/O, no protobuf, no loop.
 FLAT = {"extproc", "extproc.__main__", "extproc.service", "extproc.settings"}
+# Inside the core the arrows point down too: the pool (workers and their load) is built on
+# the busy rule, endpoints and this replica's versions, and imports nothing above it; the
+# decision, the request classes and the other replicas' estimates sit on the pool.
+CORE_BELOW_POOL = {
+    "extproc.core.allowlist",
+    "extproc.core.busy",
+    "extproc.core.endpoint",
+    "extproc.core.loopback",
+    "extproc.core.replica",
+}
 CORE_FORBIDDEN = ("asyncio", "socket", "grpc", "google", "envoy", "zmq", "aiozmq", "aiohttp")
 
 
@@ -78,6 +88,20 @@ def test_imports_follow_the_flow(path: Path) -> None:
         assert not io, f"{module} is pure core but imports {io}"
 
 
+POOL_AND_BELOW = [p for p in SOURCES if _module_name(p) in CORE_BELOW_POOL | {"extproc.core.pool"}]
+
+
+@pytest.mark.parametrize("path", POOL_AND_BELOW, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_pool_and_what_it_stands_on_import_nothing_above_them(path: Path) -> None:
+    module = _module_name(path)
+    above = [
+        n
+        for n in _imports(path)
+        if n.startswith("extproc.core.") and not _within(n, CORE_BELOW_POOL)
+    ]
+    assert not above, f"{module} imports {above}; it may import {sorted(CORE_BELOW_POOL)}"
+
+
 def test_the_checker_catches_a_wrong_import() -> None:
     """A reversed import is reported (the rule above is not vacuous)."""
     assert not _within("extproc.handlers.processor", ALLOWED["extproc.core"])
@@ -85,3 +109,5 @@ def test_the_checker_catches_a_wrong_import() -> None:
     assert _plane("extproc.service") == "extproc"
     assert _within("extproc.events.schema", ALLOWED["llmworker"])
     assert len(SOURCES) > 30
+    assert len(POOL_AND_BELOW) == len(CORE_BELOW_POOL) + 1
+    assert not _within("extproc.core.scheduling", CORE_BELOW_POOL)

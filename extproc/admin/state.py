@@ -76,9 +76,9 @@ class RuntimeState:
 
     def watch(self) -> None:
         """Save after every change made on this replica."""
-        self.pool.threshold_listeners.append(self._threshold_changed)
+        self.pool.threshold_versions.listeners.append(self._threshold_changed)
         if self.classes is not None:
-            self.classes.change_listeners.append(self._class_changed)
+            self.classes.versions.listeners.append(self._class_changed)
 
     def _threshold_changed(self, model: str) -> None:
         self.changed_models.add(model)

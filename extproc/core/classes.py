@@ -28,6 +28,7 @@ from extproc.core.class_schema import (
 )
 from extproc.core.class_schema import ClassConfigError as ClassConfigError  # the error of parse_*
 from extproc.core.pool import WorkerPool
+from extproc.core.replica import Stamp, Versions
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +136,14 @@ class ClassTable:
             return self.by_name(self.default), True
         return self.by_name(name), False
 
-    def variant(self, cls: RequestClass, prompt_tokens: int) -> int:
-        """The pool index a request of ``cls`` with ``prompt_tokens`` is decided under."""
-        limit = cls.large_prompt_tokens
-        if limit is not None and prompt_tokens > limit and cls.name in self._large:
-            return self._large[cls.name]
-        return self._index[cls.name]
+    def variant(self, request_class: RequestClass, prompt_tokens: int) -> int:
+        """The pool index (the variant) a request of ``request_class`` with
+        ``prompt_tokens`` is decided under."""
+        name = request_class.name
+        limit = request_class.large_prompt_tokens
+        if limit is not None and prompt_tokens > limit and name in self._large:
+            return self._large[name]
+        return self._index[name]
 
     def variant_names(self) -> list[str]:
         """A label per variant index, for diagnostics: the class, or ``class/large``."""
@@ -193,29 +196,28 @@ class ClassRegistry:
         self.pool = pool
         self.table = table
         self.listeners: list[Callable[[ClassTable], None]] = []
-        # Told of a change made here (to share it with other replicas), with the class.
-        self.change_listeners: list[Callable[[str], None]] = []
-        # class -> (version, writer replica): the newest change wins on every replica.
-        self.stamps: dict[str, tuple[int, str]] = {}
+        # The version stamps of class changes, by class; its listeners are told of a
+        # change made here (to share it with other replicas, to save it).
+        self.versions = Versions(pool.replica)
         pool.set_shares(table.shares())
 
     def update_class(
-        self, name: str, changes: dict[str, Any], stamp: tuple[int, str] | None = None
+        self, name: str, changes: dict[str, Any], stamp: Stamp | None = None
     ) -> RequestClass:
         """Apply ``changes`` (keys of a class's settings) to class ``name``; KeyError if no
         such class, ClassConfigError (nothing changed) if the result is not valid.
 
         A change made here (no ``stamp``) is stamped like a threshold change and announced
-        to ``change_listeners``; one from another replica applies only if its stamp is
-        newer (the class is then returned unchanged when it is not)."""
+        to the listeners of ``versions``; one from another replica applies only if its
+        stamp is newer (the class is then returned unchanged when it is not)."""
         current = self.table.by_name(name)
-        held = self.stamps.get(name, (0, ""))
-        if stamp is not None and stamp <= held:
+        taken = self.versions.next_stamp(name, stamp)
+        if taken is None:
             return current
         raw = {k: v for k, v in current.as_dict().items() if k != "name"}
         raw.update(changes)
         updated = parse_class(name, raw)
-        self.stamps[name] = stamp if stamp is not None else (held[0] + 1, self.pool.replica_id)
+        self.versions.record(name, taken)
         table = ClassTable(
             tuple(updated if c.name == name else c for c in self.table.classes),
             self.table.default,
@@ -227,6 +229,5 @@ class ClassRegistry:
         for listener in self.listeners:
             listener(table)
         if stamp is None:
-            for told in self.change_listeners:
-                told(name)
+            self.versions.announce(name)
         return updated

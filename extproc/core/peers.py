@@ -1,13 +1,13 @@
-"""What the other replicas have in flight (docs/replicas.md).
+"""What the replicas have in flight (docs/replicas.md).
 
-Each replica publishes its own router estimate per worker rank as a whole snapshot, on
-change and at an interval. :class:`PeerEstimates` keeps the latest snapshot of every other
-replica and adds it into the ranks' ``peer_*`` sums, so the busy rule and the pick see
-max(reported, own estimate + the others'). A snapshot replaces that replica's previous
-one whole, so a lost message is repaired by the next. A replica that says ``bye`` or is
-silent for longer than the TTL has its contribution removed; a restarted replica comes
-back under a new id and starts from zero, so nothing is counted twice.
-"""
+Each replica publishes its own router estimate per worker rank (:func:`own_estimates`) as
+a whole snapshot, on change and at an interval. :class:`PeerEstimates` keeps the latest
+snapshot of every other replica and adds it into the ranks' ``peer_*`` sums, so the busy
+rule and the pick see max(reported, own estimate + the others'). A snapshot replaces that
+replica's previous one whole, so a lost message is repaired by the next. A replica that
+says ``bye`` or is silent for longer than the TTL has its contribution removed; a
+restarted replica comes back under a new id and starts from zero, so nothing is counted
+twice."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ from extproc.core.pool import Rank, Worker, WorkerPool
 
 # (worker_id, dp_rank, in flight, blocks, prefill tokens), as on the wire.
 EstimateEntry = tuple[str, int, int, int, int]
+
+
+def own_estimates(pool: WorkerPool) -> list[EstimateEntry]:
+    """This replica's estimate per rank with requests in flight."""
+    return [
+        (w.worker_id, r.index, r.inflight, r.est_blocks, r.est_prefill)
+        for w in pool.workers.values()
+        for r in w.ranks
+        if r.inflight
+    ]
 
 
 @dataclass
@@ -39,7 +49,7 @@ class PeerEstimates:
 
     def snapshot(self, replica_id: str, entries: Iterable[EstimateEntry]) -> None:
         """The whole current estimate of ``replica_id``; replaces its previous one."""
-        if replica_id == self.pool.replica_id:
+        if replica_id == self.pool.replica.replica_id:
             return  # our own, echoed back by a forwarder
         peer = self.peers.get(replica_id)
         if peer is None:

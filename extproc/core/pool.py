@@ -3,8 +3,10 @@
 One :class:`WorkerPool` holds it all. The event plane tells it what workers announce
 (:meth:`~WorkerPool.announce`, :meth:`~WorkerPool.report_load`, :meth:`~WorkerPool.leave`),
 the request path records router estimates (dispatch / first token / release), the admin
-API sets thresholds. After every write the touched worker's busy flag is recomputed, so a
-routing decision only reads flags. Plain values only: no I/O, no wire structs.
+API sets thresholds. After every write the touched worker's busy flags are recomputed, so
+a routing decision only reads them (:meth:`Worker.free_for`). Plain values only: no I/O,
+no wire structs. What this replica shares with the others (its id, the version stamps of
+threshold changes) is in :mod:`extproc.core.replica`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from extproc.core.busy import (
     scaled_limit,
     worker_busy,
 )
+from extproc.core.replica import Replica, Stamp, Versions
 
 DEFAULT_BLOCK_SIZE = 16
 OVERLOAD_MARK_SECONDS = 1.0
@@ -84,9 +87,10 @@ class Rank:
         self.class_limits: list[RankLimits] = []
         self.class_reasons: list[str | None] = []
 
-    def reason_for(self, cls: int) -> str | None:
-        """The check that fires for request class ``cls`` (0 = the default class)."""
-        return self.busy_reason if cls == 0 else self.class_reasons[cls - 1]
+    def reason_for(self, variant: int) -> str | None:
+        """The check that fires for class variant ``variant`` (an index of the pool's
+        shares; 0 = the default class)."""
+        return self.busy_reason if variant == 0 else self.class_reasons[variant - 1]
 
     @property
     def has_data(self) -> bool:
@@ -165,6 +169,13 @@ class Worker:
             rank.reported_kv_total if rank.reported_kv_total is not None else self.kv_total_blocks
         )
 
+    def free_for(self, variant: int, now: float) -> bool:
+        """Whether a decision may pick this worker now for class variant ``variant`` (an
+        index of the pool's shares; 0 = the default class): not busy for it, and not
+        marked overloaded or unreachable."""
+        busy = self.busy if variant == 0 else self.busy_by_class[variant]
+        return not busy and now >= self.overloaded_until
+
     def state(self, now: float) -> str:
         """``overloaded`` (mark) else ``busy`` else ``free``: disjoint, for /health."""
         if now < self.overloaded_until:
@@ -220,14 +231,10 @@ class WorkerPool:
         self.queue_threshold = queue_threshold
         # Called with a model when its router-tracked prefill may have dropped.
         self.on_capacity: Callable[[str], None] | None = None
-        # Sharing with other replicas (docs/replicas.md): who we are, a counter bumped on
-        # every change of our own estimates, and who is told of a threshold change here.
-        self.replica_id = ""
-        self.estimates_version = 0
-        self.on_estimates: Callable[[], None] | None = None
-        self.threshold_listeners: list[Callable[[str], None]] = []
-        # model -> (version, writer replica): the newest change wins on every replica.
-        self.threshold_stamps: dict[str, tuple[int, str]] = {}
+        # Sharing with other replicas (docs/replicas.md): who we are, told of every change
+        # of our own estimates; the version stamps of threshold changes, by model.
+        self.replica = Replica()
+        self.threshold_versions = Versions(self.replica)
         # Request classes (extproc.core.classes): the default class's share, then the
         # others'. One class with the full share is the behaviour without classes.
         self.shares: list[Share] = [FULL_SHARE]
@@ -403,29 +410,24 @@ class WorkerPool:
     # ----- thresholds --------------------------------------------------------------
 
     def set_thresholds(
-        self, model: str, thresholds: BusyThresholds, stamp: tuple[int, str] | None = None
+        self, model: str, thresholds: BusyThresholds, stamp: Stamp | None = None
     ) -> bool:
         """Takes effect for the very next decision; False if ``stamp`` is not newer.
 
-        A change made here (no ``stamp``) is stamped (one more than the newest version
-        seen for the model, this replica's id) and announced to ``threshold_listeners``. A
-        change from another replica carries its stamp and applies only if newer, so
-        concurrent changes end in the same state on every replica: the higher version
-        wins, and the higher replica id between equal versions.
+        A change made here (no ``stamp``) is stamped and announced to the listeners of
+        ``threshold_versions``; one from another replica applies only if its stamp is
+        newer (:class:`~extproc.core.replica.Versions`).
         """
-        current = self.threshold_stamps.get(model, (0, ""))
-        local = stamp is None
-        if stamp is None:
-            stamp = (current[0] + 1, self.replica_id)
-        elif stamp <= current:
+        versions = self.threshold_versions
+        taken = versions.next_stamp(model, stamp)
+        if taken is None:
             return False
-        self.threshold_stamps[model] = stamp
+        versions.record(model, taken)
         self.thresholds[model] = thresholds
         for worker in self.by_model.get(model, ()):
             self._recompute_limits(worker)
-        if local:
-            for listener in self.threshold_listeners:
-                listener(model)
+        if stamp is None:
+            versions.announce(model)
         return True
 
     def set_shares(self, shares: list[Share]) -> None:
@@ -462,21 +464,6 @@ class WorkerPool:
         """Recompute a rank's busy flag after its load or estimate changed."""
         self._refresh_rank(worker, rank)
 
-    def _estimates_changed(self) -> None:
-        self.estimates_version += 1
-        if self.on_estimates is not None:
-            self.on_estimates()
-
-    def own_estimates(self) -> list[tuple[str, int, int, int, int]]:
-        """This replica's estimate per rank with requests in flight:
-        (worker_id, dp_rank, in flight, blocks, prefill tokens)."""
-        return [
-            (w.worker_id, r.index, r.inflight, r.est_blocks, r.est_prefill)
-            for w in self.workers.values()
-            for r in w.ranks
-            if r.inflight
-        ]
-
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
         if rank.class_limits:
             d, p = rank.decode_blocks, rank.prefill_tokens
@@ -512,7 +499,7 @@ class WorkerPool:
         rank.est_blocks += blocks
         rank.est_prefill += prompt_tokens
         self._refresh_rank(worker, rank)
-        self._estimates_changed()
+        self.replica.estimates_changed()
         return Ticket(worker, rank, prompt_tokens, blocks, 0, True, self.clock())
 
     def generated(self, ticket: Ticket, tokens: int) -> None:
@@ -530,7 +517,7 @@ class WorkerPool:
             rank.est_blocks += blocks - ticket.blocks
             ticket.blocks = blocks
         self._refresh_rank(ticket.worker, rank)
-        self._estimates_changed()
+        self.replica.estimates_changed()
         if first and self.on_capacity is not None:
             self.on_capacity(ticket.worker.model)
 
@@ -542,7 +529,7 @@ class WorkerPool:
         rank = ticket.rank
         rank.est_prefill -= ticket.prompt_tokens
         self._refresh_rank(ticket.worker, rank)
-        self._estimates_changed()
+        self.replica.estimates_changed()
         if self.on_capacity is not None:
             self.on_capacity(ticket.worker.model)
 
@@ -561,7 +548,7 @@ class WorkerPool:
         prev = self._duration_ewma.get(model)
         self._duration_ewma[model] = duration if prev is None else prev * 0.9 + duration * 0.1
         self._refresh_rank(ticket.worker, rank)
-        self._estimates_changed()
+        self.replica.estimates_changed()
         if self.on_capacity is not None:
             self.on_capacity(model)
 

@@ -1,12 +1,17 @@
 """Decide one request: route it to a free worker, reject it, or hold it in the queue.
 
-:meth:`Scheduler.decide` is the whole decision, one call on the pool's current flags,
-no I/O. ``kv`` mode takes the least-loaded free rank: KV utilisation (blocks / total; raw
-blocks when the total is unknown) first, then active prefill tokens; a rank with no data
-counts as 0. Ties go to the next worker in rotation so equal workers share the load.
-``round-robin`` and ``random`` pick among the free workers. A routed request is recorded
-against its rank at once (its :class:`~extproc.core.pool.Ticket`), so the next decision
-already sees it.
+:meth:`Scheduler.decide` is the whole decision, one call on the pool's current flags, no
+I/O. A worker can be picked for a request while it is free for the request's class
+variant (:meth:`~extproc.core.pool.Worker.free_for`). ``kv`` mode takes the least-loaded
+free rank: KV utilisation (blocks / total; raw blocks when the total is unknown) first,
+then active prefill tokens; a rank with no data counts as 0. Ties go to the next worker
+in rotation so equal workers share the load. ``round-robin`` and ``random`` pick among
+the free workers. A routed request is recorded against its rank at once (its
+:class:`~extproc.core.pool.Ticket`), so the next decision already sees it.
+
+A request whose model is not known yet (``model=None``: the body has not been read) is
+decided too, where the answer cannot depend on the model: no worker at all, or every
+worker of every model busy. Otherwise the decision is :data:`DEFERRED`: read the body.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, overload
 
 from extproc.core.pool import Rank, Ticket, Worker, WorkerPool
 
 # Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
 MAX_FALLBACKS = 2
+# The model a rejection is counted under when the request named none and the pool serves
+# several models.
+ANY_MODEL = "*"
 
 
 class Outcome(StrEnum):
@@ -42,11 +50,14 @@ class Routed:
 @dataclass(frozen=True, slots=True)
 class Rejected:
     """Answer locally: ``outcome`` says why; ``retry_after`` is whole seconds (1-60);
-    ``check`` names the busy check that fired (overload only)."""
+    ``check`` names the busy check that fired and ``model`` the model the rejection is
+    counted under (overload only; ``*`` when the request named none and the pool serves
+    several models)."""
 
     outcome: Outcome
     retry_after: int = 1
     check: str | None = None
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +67,13 @@ class Queued:
     outcome: ClassVar[Outcome] = Outcome.QUEUED
 
 
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """The model is not known yet and the answer depends on it: decide on the body."""
+
+
 QUEUED = Queued()
+DEFERRED = Deferred()
 NO_WORKERS = Rejected(Outcome.NO_WORKERS)
 MODEL_NOT_FOUND = Rejected(Outcome.MODEL_NOT_FOUND)
 Decision = Routed | Rejected | Queued
@@ -74,18 +91,14 @@ def _queue_full(worker: Worker, rank: Rank) -> bool:
     return limit is not None and rank.est_prefill > limit
 
 
-def _busy(worker: Worker, cls: int) -> bool:
-    return worker.busy if cls == 0 else worker.busy_by_class[cls]
-
-
-def _best_rank(worker: Worker, cls: int = 0) -> Rank:
+def _best_rank(worker: Worker, variant: int = 0) -> Rank:
     ranks = worker.ranks
     if len(ranks) == 1:
         return ranks[0]
     best: Rank | None = None
     best_key: tuple[float, int] = (0.0, 0)
     for rank in ranks:
-        if rank.has_data and rank.reason_for(cls) is not None:
+        if rank.has_data and rank.reason_for(variant) is not None:
             continue
         key = _rank_key(worker, rank)
         if best is None or key < best_key:
@@ -111,22 +124,75 @@ class Scheduler:
         self._turn = 0
         self._rng = rng or random.Random()
 
-    def decide(self, model: str, prompt_tokens: int, cls: int = 0) -> Decision:
-        """The decision for one request of ``model`` in request class ``cls`` (an index of
-        the pool's shares; 0 = the default class); a routed one is dispatched."""
+    @overload
+    def decide(
+        self, model: str, prompt_tokens: int, variant: int = 0, *, waiting: bool = False
+    ) -> Decision: ...
+    @overload
+    def decide(
+        self, model: None, prompt_tokens: int = 0, variant: int = 0, *, waiting: bool = False
+    ) -> Rejected | Deferred: ...
+    def decide(
+        self,
+        model: str | None,
+        prompt_tokens: int = 0,
+        variant: int = 0,
+        *,
+        waiting: bool = False,
+    ) -> Decision | Deferred:
+        """The decision for one request of ``model`` under class variant ``variant`` (an
+        index of the pool's shares; 0 = the default class); a routed one is dispatched.
+
+        ``waiting``: requests of the model already wait in the router queue, so this one
+        joins them (QUEUED, no overtaking). ``model=None``: the model is not known yet
+        (:meth:`_before_the_model`; ``waiting`` then means requests of any model wait).
+        """
+        if model is None:
+            return self._before_the_model(variant, waiting)
+        if waiting:
+            return QUEUED
         workers = self.pool.by_model.get(model)
         if not workers:
             return MODEL_NOT_FOUND if self.pool.by_model else NO_WORKERS
-        picked = self._pick(workers, cls)
+        picked = self._pick(workers, variant)
         if picked is None:
-            return self.overloaded(model, workers, cls)
+            return self._overloaded(model, workers, variant)
         if isinstance(picked, Queued):
             return QUEUED
         worker, rank = picked
         ticket = self.pool.dispatch(worker, rank, prompt_tokens)
-        return Routed(ticket, self._fallbacks(workers, worker, cls))
+        return Routed(ticket, self._fallbacks(workers, worker, variant))
 
-    def overloaded(self, model: str, workers: list[Worker] | None = None, cls: int = 0) -> Rejected:
+    def _before_the_model(self, variant: int, waiting: bool) -> Rejected | Deferred:
+        """The answer that cannot depend on the model, or DEFERRED.
+
+        No worker at all: NO_WORKERS. No worker of any model free for ``variant``: the
+        overload rejection, whichever model the request names. It is counted under the
+        pool's only model, or under ``*`` with the shortest Retry-After of all models when
+        the pool serves several; the check is the one that fired on the first model's
+        workers. A free worker anywhere, or requests waiting in the router queue (FIFO
+        keeps their order): DEFERRED, the model decides.
+        """
+        by_model = self.pool.by_model
+        if not by_model:
+            return NO_WORKERS
+        now = self.pool.clock()
+        for workers in by_model.values():
+            for w in workers:
+                if w.free_for(variant, now):
+                    return DEFERRED
+        if waiting:
+            return DEFERRED
+        first = next(iter(by_model))
+        rejected = self._overloaded(first, by_model[first], variant)
+        if len(by_model) == 1:
+            return rejected
+        retry_after = min(self.pool.retry_after(m) for m in by_model)
+        return Rejected(Outcome.OVERLOADED, retry_after, rejected.check, ANY_MODEL)
+
+    def _overloaded(
+        self, model: str, workers: list[Worker] | None = None, variant: int = 0
+    ) -> Rejected:
         """The overload rejection for ``model``, with its current Retry-After estimate and
         the check that fired on the first busy worker."""
         check = None
@@ -136,13 +202,13 @@ class Scheduler:
                 unreachable = now < w.unreachable_until
                 check = check or ("worker_unreachable" if unreachable else "worker_overloaded")
                 continue
-            reasons = [r.reason_for(cls) for r in w.ranks if r.has_data]
+            reasons = [r.reason_for(variant) for r in w.ranks if r.has_data]
             check = next((r for r in reasons if r is not None), None)
             if check is not None:
                 break
-        return Rejected(Outcome.OVERLOADED, self.pool.retry_after(model), check)
+        return Rejected(Outcome.OVERLOADED, self.pool.retry_after(model), check, model)
 
-    def _pick(self, workers: list[Worker], cls: int) -> tuple[Worker, Rank] | Queued | None:
+    def _pick(self, workers: list[Worker], variant: int) -> tuple[Worker, Rank] | Queued | None:
         """The free worker and rank to use, QUEUED, or None when every worker is busy."""
         now = self.pool.clock()
         n = len(workers)
@@ -154,38 +220,38 @@ class Scheduler:
             start = turn % n
             for i in range(n):
                 w = workers[(start + i) % n]
-                if (w.busy if cls == 0 else w.busy_by_class[cls]) or now < w.overloaded_until:
+                if not w.free_for(variant, now):
                     continue
-                rank = _best_rank(w, cls)
+                rank = _best_rank(w, variant)
                 key = _rank_key(w, rank)
                 if best is None or key < best_key:
                     best, best_rank, best_key = w, rank, key
             if best is None or best_rank is None:
                 return None
             if self.queue_threshold is not None and _queue_full(best, best_rank):
-                return self._least_loaded_not_queue_full(workers, now, cls)
+                return self._least_loaded_not_queue_full(workers, now, variant)
             return best, best_rank
-        free = [w for w in workers if not _busy(w, cls) and now >= w.overloaded_until]
+        free = [w for w in workers if w.free_for(variant, now)]
         if not free:
             return None
         if self.queue_threshold is not None:
-            free = [w for w in free if not _queue_full(w, _best_rank(w, cls))]
+            free = [w for w in free if not _queue_full(w, _best_rank(w, variant))]
             if not free:
                 return QUEUED
         w = free[turn % len(free)] if self.mode == "round-robin" else self._rng.choice(free)
-        return w, _best_rank(w, cls)
+        return w, _best_rank(w, variant)
 
     def _least_loaded_not_queue_full(
-        self, workers: list[Worker], now: float, cls: int
+        self, workers: list[Worker], now: float, variant: int
     ) -> tuple[Worker, Rank] | Queued:
         """The least-loaded free worker is queue-full: any other free one that is not?"""
         best: Worker | None = None
         best_rank: Rank | None = None
         best_key: tuple[float, int] = (0.0, 0)
         for w in workers:
-            if _busy(w, cls) or now < w.overloaded_until:
+            if not w.free_for(variant, now):
                 continue
-            rank = _best_rank(w, cls)
+            rank = _best_rank(w, variant)
             if _queue_full(w, rank):
                 continue
             key = _rank_key(w, rank)
@@ -195,7 +261,7 @@ class Scheduler:
             return QUEUED
         return best, best_rank
 
-    def _fallbacks(self, workers: list[Worker], chosen: Worker, cls: int) -> tuple[str, ...]:
+    def _fallbacks(self, workers: list[Worker], chosen: Worker, variant: int) -> tuple[str, ...]:
         """Endpoints of up to ``max_fallbacks`` other free workers, for retries."""
         limit = self.max_fallbacks
         if len(workers) < 2 or limit <= 0:
@@ -206,12 +272,7 @@ class Scheduler:
         start = self._turn % n
         for i in range(n):
             w = workers[(start + i) % n]
-            if (
-                w is chosen
-                or _busy(w, cls)
-                or now < w.overloaded_until
-                or w.endpoint == chosen.endpoint
-            ):
+            if w is chosen or w.endpoint == chosen.endpoint or not w.free_for(variant, now):
                 continue
             if w.endpoint not in out:
                 out.append(w.endpoint)

@@ -21,6 +21,7 @@ import aiozmq
 import zmq
 
 from extproc.core.classes import ClassRegistry
+from extproc.core.peers import own_estimates
 from extproc.core.pool import WorkerPool
 from extproc.events.curve import CurveClient
 from extproc.events.schema import (
@@ -48,7 +49,7 @@ class ReplicaPublisher:
         on_sent: Callable[[str], None] | None = None,
         classes: ClassRegistry | None = None,
     ) -> None:
-        if not pool.replica_id:
+        if not pool.replica.replica_id:
             raise ValueError("replica sharing needs the pool's replica_id")
         self.pool = pool
         self.endpoints = tuple(endpoints)
@@ -76,10 +77,10 @@ class ReplicaPublisher:
             self.curve.apply(tr)
         for endpoint in self.endpoints:
             await tr.connect(endpoint)
-        self.pool.on_estimates = self._estimates_changed
-        self.pool.threshold_listeners.append(self._send_thresholds)
+        self.pool.replica.on_estimates = self._estimates_changed
+        self.pool.threshold_versions.listeners.append(self._send_thresholds)
         if self.classes is not None:
-            self.classes.change_listeners.append(self._send_class)
+            self.classes.versions.listeners.append(self._send_class)
         self._heartbeat = loop.create_task(self._beat(), name="replica-heartbeat")
 
     def _estimates_changed(self) -> None:
@@ -93,14 +94,15 @@ class ReplicaPublisher:
         self._pending = None
         if self._loop is not None:
             self._last_sent = self._loop.time()
-        self._send(EstimateEvent(replica_id=self.pool.replica_id, ranks=self.pool.own_estimates()))
+        replica_id = self.pool.replica.replica_id
+        self._send(EstimateEvent(replica_id=replica_id, ranks=own_estimates(self.pool)))
 
     def _send_thresholds(self, model: str) -> None:
-        version, writer = self.pool.threshold_stamps[model]
+        version, writer = self.pool.threshold_versions.stamps[model]
         th = self.pool.thresholds_for(model)
         self._send(
             ThresholdsEvent(
-                replica_id=self.pool.replica_id,
+                replica_id=self.pool.replica.replica_id,
                 model=model,
                 version=version,
                 writer=writer,
@@ -112,13 +114,13 @@ class ReplicaPublisher:
 
     def _send_class(self, name: str) -> None:
         assert self.classes is not None
-        version, writer = self.classes.stamps[name]
+        version, writer = self.classes.versions.stamps[name]
         settings = {
             k: v for k, v in self.classes.table.by_name(name).as_dict().items() if k != "name"
         }
         self._send(
             ClassEvent(
-                replica_id=self.pool.replica_id,
+                replica_id=self.pool.replica.replica_id,
                 name=name,
                 version=version,
                 writer=writer,
@@ -129,10 +131,10 @@ class ReplicaPublisher:
     async def _beat(self) -> None:
         while True:
             self._send_estimate()
-            for model in list(self.pool.threshold_stamps):
+            for model in list(self.pool.threshold_versions.stamps):
                 self._send_thresholds(model)
             if self.classes is not None:
-                for name in list(self.classes.stamps):
+                for name in list(self.classes.versions.stamps):
                     self._send_class(name)
             await asyncio.sleep(self.interval)
 
@@ -158,9 +160,9 @@ class ReplicaPublisher:
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
-        if self.pool.on_estimates == self._estimates_changed:
-            self.pool.on_estimates = None
+        if self.pool.replica.on_estimates == self._estimates_changed:
+            self.pool.replica.on_estimates = None
         if self._transport is not None:
-            self._send(ReplicaByeEvent(replica_id=self.pool.replica_id))
+            self._send(ReplicaByeEvent(replica_id=self.pool.replica.replica_id))
             self._transport.close()  # LINGER (200 ms) lets ZeroMQ deliver the bye
             self._transport = None

@@ -91,7 +91,7 @@ def apply_event(
                 )
         elif type(event) is ByeEvent:
             pool.leave(event.worker_id)
-        elif peers is None or getattr(event, "replica_id", None) == pool.replica_id:
+        elif peers is None or getattr(event, "replica_id", None) == pool.replica.replica_id:
             return  # sharing is off, or our own message echoed back by a forwarder
         elif type(event) is EstimateEvent:
             peers.snapshot(event.replica_id, event.ranks)

@@ -4,10 +4,12 @@ Flow for an inference request (POST /v1/chat/completions, /v1/completions,
 /v1/embeddings, /v1/responses), docs/request-path.md: request headers carrying the
 model read from the start of the body (``extproc.request`` metadata) -> one
 :meth:`~extproc.core.scheduling.Scheduler.decide` call, mapped to a pre-serialized
-reply; without it, the headers ask for the buffered body (parse, decide). Then the
-response headers (turn a worker-side rejection into the overload reply; ask for the
-trailers so the stream lasts as long as the response). The router's estimate for
-the request is released when the stream ends, whatever ended it.
+reply; without it, the same call before the model is known (``model=None``) answers on
+the headers when the answer cannot depend on the model, else the headers ask for the
+buffered body (parse, decide). Then the response headers (turn a worker-side rejection
+into the overload reply; ask for the trailers so the stream lasts as long as the
+response). The router's estimate for the request is released when the stream ends,
+whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
@@ -27,7 +29,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
 from extproc.core.pool import Ticket, WorkerPool
-from extproc.core.scheduling import QUEUED, Decision, Outcome, Queued, Rejected, Routed, Scheduler
+from extproc.core.scheduling import (
+    Decision,
+    Deferred,
+    Outcome,
+    Queued,
+    Rejected,
+    Routed,
+    Scheduler,
+)
 from extproc.handlers import replies
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
 from extproc.handlers.router_queue import RouterQueue
@@ -48,9 +58,6 @@ ROLE_METADATA = "x-extproc-role"
 # The dynamic metadata namespace Envoy forwards with the request headers: ``model``, read
 # from the start of the body by a filter ahead of ext_proc (envoy/envoy.yaml).
 REQUEST_NAMESPACE = "extproc.request"
-# The model label of a rejection decided before the body named the model, when the pool
-# serves several models and every worker of every one is busy.
-ANY_MODEL = "*"
 # A reply now, or (first, rest): ``first`` now and the awaited ``rest`` after it.
 Reply = bytes | tuple[bytes, Awaitable[bytes]]
 
@@ -63,12 +70,12 @@ class _Stream:
     """Per-request state of one ext_proc stream."""
 
     __slots__ = (
-        "cls",
         "endpoint_label",
         "fallbacks",
         "model",
         "phase",
         "prompt_tokens",
+        "request_class",
         "request_id",
         "stream",
         "ticket",
@@ -76,7 +83,9 @@ class _Stream:
     )
 
     def __init__(self) -> None:
-        self.cls: RequestClass | None = None
+        # The request's class (None without classes) and the variant of the pool's
+        # shares it is decided under (the class, or its large-prompt share).
+        self.request_class: RequestClass | None = None
         self.endpoint_label: str | None = None
         self.fallbacks: tuple[str, ...] = ()  # endpoints Envoy retries a refusal on
         self.model = ""
@@ -85,7 +94,7 @@ class _Stream:
         self.request_id: str | None = None
         self.stream = False
         self.ticket: Ticket | None = None
-        self.variant = 0  # the pool's class variant the request is decided under
+        self.variant = 0
 
 
 class ExtProcHandler:
@@ -202,8 +211,8 @@ class ExtProcHandler:
         if table is not None:
             if not table.trusts(marker):
                 class_name = None  # the marker is required and absent: the header is ignored
-            st.cls, unknown = table.resolve(class_name)
-            st.variant = table.variant(st.cls, 0)
+            st.request_class, unknown = table.resolve(class_name)
+            st.variant = table.variant(st.request_class, 0)
             if unknown:
                 self.metrics.class_unknown.inc()
         if msg.end_of_stream:
@@ -222,48 +231,31 @@ class ExtProcHandler:
         else:
             # No prefix reader (a config in the exact mode): answer now when the reply
             # cannot depend on the body.
-            early = self._reject_any_model(st)
+            early = self._decide_before_the_model(st)
             if early is not None:
                 return early
         # The exact mode: Envoy buffers the body and sends it (the model is not known
         # yet, or a tokenizer counts the prompt).
         return replies.SEND_BODY
 
-    def _reject_any_model(self, st: _Stream) -> bytes | None:
-        """The reply when it cannot depend on the body, before Envoy sends the body.
+    def _decide_before_the_model(self, st: _Stream) -> bytes | None:
+        """The reply when it cannot depend on the body, before Envoy sends the body; None
+        when the body decides.
 
         No worker at all (503), or every worker of every model busy or overloaded (the
-        overload reply): whichever model the body names, the answer is the same, so it
-        is given on the request-headers message. The body is never read, so a malformed
-        one gets the overload reply rather than 400 (docs/request-path.md). The
-        rejection is counted under the pool's only model, or under ``*`` when the pool
-        serves several (the requested one is unknown without the body).
+        overload reply, counted under the pool's only model or ``*``): whichever model the
+        body names, the answer is the same, so it is given on the request-headers message.
+        The body is never read, so a malformed one gets the overload reply rather than 400
+        (docs/request-path.md). While requests wait in the router queue the body decides:
+        FIFO keeps their order.
         """
-        by_model = self.pool.by_model
-        if not by_model:
-            self.metrics.outcome["no_workers"].inc()
-            return replies.NO_WORKERS
-        now = self.pool.clock()
-        v = st.variant
-        for workers in by_model.values():
-            for w in workers:
-                if not (w.busy if v == 0 else w.busy_by_class[v]) and now >= w.overloaded_until:
-                    return None
         queue = self.queue
-        if queue is not None and any(queue.waiting(m) for m in by_model):
-            return None  # requests are waiting: FIFO keeps their order, decide on the body
-        first = next(iter(by_model))
-        check = self.scheduler.overloaded(first, by_model[first], v).check
-        if len(by_model) == 1:
-            st.model = model = first
-            retry_after = self.pool.retry_after(model)
-        else:
-            model = ANY_MODEL
-            retry_after = min(self.pool.retry_after(m) for m in by_model)
-        self.metrics.outcome["overloaded"].inc()
-        self.metrics.rejections.labels(model, st.endpoint_label or "").inc()
-        self._count_class(st, model, "overloaded")
-        return self.replies.overload(retry_after, check, st.cls)
+        waiting = queue is not None and any(queue.waiting(m) for m in self.pool.by_model)
+        decision = self.scheduler.decide(None, 0, st.variant, waiting=waiting)
+        if isinstance(decision, Deferred):
+            return None
+        st.model = decision.model  # one decision per stream: a later body is not decided
+        return self._reply(st, decision)
 
     def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply:
         if st.endpoint_label is None or st.ticket is not None or st.model:
@@ -286,13 +278,11 @@ class ExtProcHandler:
         st.model = model
         st.prompt_tokens = prompt_tokens
         st.phase = phase
-        if st.cls is not None and self._classes is not None:
-            st.variant = self._classes.variant(st.cls, prompt_tokens)
+        if st.request_class is not None and self._classes is not None:
+            st.variant = self._classes.variant(st.request_class, prompt_tokens)
         queue = self.queue
-        if queue is not None and queue.waiting(model):
-            decision: Decision = QUEUED  # FIFO: no overtaking the requests already waiting
-        else:
-            decision = self.scheduler.decide(model, prompt_tokens, st.variant)
+        waiting = queue is not None and queue.waiting(model)
+        decision = self.scheduler.decide(model, prompt_tokens, st.variant, waiting=waiting)
         reply: Reply
         if type(decision) is Queued and queue is not None:
             reply = (self._extend_timeout, self._wait_in_queue(st))
@@ -313,10 +303,11 @@ class ExtProcHandler:
             self.metrics.outcome["queue_timeout"].inc()
             self._count_class(st, st.model, "overloaded")
             retry_after = self.pool.retry_after(st.model)
-            return self.replies.overload(retry_after, "queue_timeout", st.cls)
+            return self.replies.overload(retry_after, "queue_timeout", st.request_class)
         return self._reply(st, decision)
 
     def _attempt(self, st: _Stream) -> Routed | Rejected | None:
+        """The head of the queue decides again (it is the one waiting: no FIFO check)."""
         decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant)
         return None if isinstance(decision, Queued) else decision
 
@@ -334,12 +325,14 @@ class ExtProcHandler:
         if decision.outcome is Outcome.OVERLOADED:
             self.metrics.rejections.labels(st.model, st.endpoint_label).inc()
             self._count_class(st, st.model, "overloaded")
-        return self.replies.rejected(decision, st.cls)
+        return self.replies.rejected(decision, st.request_class)
 
     def _count_class(self, st: _Stream, model: str, outcome: str) -> None:
         """Requests by class and outcome, when request classes are configured."""
-        if st.cls is not None:
-            self.metrics.by_class.labels(model, st.endpoint_label, st.cls.name, outcome).inc()
+        request_class = st.request_class
+        if request_class is not None:
+            name = request_class.name
+            self.metrics.by_class.labels(model, st.endpoint_label, name, outcome).inc()
 
     def _bad_request(self, message: str) -> bytes:
         self.metrics.outcome["bad_request"].inc()
@@ -392,7 +385,8 @@ class ExtProcHandler:
             "worker %s (%s) unreachable from Envoy: skipped for 1 s", worker.worker_id,
             worker.endpoint,
         )  # fmt: skip
-        return self.replies.overload(self.pool.retry_after(st.model), "worker_unreachable", st.cls)
+        retry_after = self.pool.retry_after(st.model)
+        return self.replies.overload(retry_after, "worker_unreachable", st.request_class)
 
     def _worker_rejected(self, st: _Stream, ticket: Ticket) -> bytes:
         """A worker-side rejection that Envoy's retries did not absorb: the pick and every
@@ -406,7 +400,7 @@ class ExtProcHandler:
                 self.pool.mark_overloaded(worker)
         self.pool.release(ticket)
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
-        return self.replies.overload(1, "worker_overloaded", st.cls)
+        return self.replies.overload(1, "worker_overloaded", st.request_class)
 
     def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
         ticket = st.ticket

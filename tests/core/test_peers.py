@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.busy import BusyThresholds
-from extproc.core.peers import PeerEstimates
+from extproc.core.peers import PeerEstimates, own_estimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Routed, Scheduler
 
@@ -27,7 +27,7 @@ PREFILL_1000 = BusyThresholds(None, 1000)
 def make(th: BusyThresholds = PREFILL_1000) -> tuple[WorkerPool, PeerEstimates, Clock]:
     clock = Clock()
     pool = WorkerPool(th, clock=clock)
-    pool.replica_id = "me"
+    pool.replica.replica_id = "me"
     for i, wid in enumerate("ab"):
         pool.announce(wid, model="m", endpoint=f"127.0.0.1:{8000 + i}", dp_size=2)
     return pool, PeerEstimates(pool, ttl=3.0), clock
@@ -95,14 +95,14 @@ def test_a_worker_that_left_and_came_back_is_never_subtracted_from() -> None:
 def test_own_estimates_and_their_change_counter() -> None:
     pool, _, _ = make()
     calls = []
-    pool.on_estimates = lambda: calls.append(pool.estimates_version)
+    pool.replica.on_estimates = lambda: calls.append(pool.replica.estimates_version)
     decision = Scheduler(pool).decide("m", 33)
     assert isinstance(decision, Routed)
     t = decision.ticket
-    assert pool.own_estimates() == [(t.worker.worker_id, t.rank.index, 1, 3, 33)]
+    assert own_estimates(pool) == [(t.worker.worker_id, t.rank.index, 1, 3, 33)]
     pool.generated(t, 1)
     pool.release(t)
-    assert pool.own_estimates() == [] and calls == [1, 2, 3]
+    assert own_estimates(pool) == [] and calls == [1, 2, 3]
 
 
 def test_threshold_changes_converge_whatever_the_order() -> None:
@@ -124,13 +124,13 @@ def test_threshold_changes_converge_whatever_the_order() -> None:
 
 def test_a_local_change_is_stamped_above_everything_seen_and_announced() -> None:
     pool = WorkerPool(BusyThresholds())
-    pool.replica_id = "r0"
+    pool.replica.replica_id = "r0"
     told: list[str] = []
-    pool.threshold_listeners.append(told.append)
+    pool.threshold_versions.listeners.append(told.append)
     pool.set_thresholds("m", BusyThresholds(0.5), (7, "zz"))
     assert told == []  # a remote change is not announced again
     pool.set_thresholds("m", BusyThresholds(0.6))
-    assert pool.threshold_stamps["m"] == (8, "r0") and told == ["m"]
+    assert pool.threshold_versions.stamps["m"] == (8, "r0") and told == ["m"]
     assert not pool.set_thresholds("m", BusyThresholds(0.9), (8, "a"))
     assert pool.thresholds_for("m") == BusyThresholds(0.6)
 

@@ -64,7 +64,7 @@ async def forwarder() -> AsyncIterator[tuple[str, str]]:
 
 async def replica(name: str, xsub: str, xpub: str, ttl: float = 1.0) -> Replica:
     pool = WorkerPool(BusyThresholds(None, 1000))
-    pool.replica_id = name
+    pool.replica.replica_id = name
     peers = PeerEstimates(pool, ttl=ttl)
     sub = EventSubscriber(pool, Metrics(), peers=peers)
     await sub.start([], [xpub])
@@ -174,7 +174,7 @@ async def test_replica_messages_are_authenticated_with_curve(tmp_path: object) -
     replicas = []
     for name in ("r-a", "r-b"):
         pool = WorkerPool(BusyThresholds(None, 1000))
-        pool.replica_id = name
+        pool.replica.replica_id = name
         metrics = Metrics()
         server = CurveServer(secret, admitted, functools.partial(count_refused, metrics))
         sub = EventSubscriber(pool, metrics, curve=server, peers=PeerEstimates(pool, ttl=5))
@@ -188,7 +188,7 @@ async def test_replica_messages_are_authenticated_with_curve(tmp_path: object) -
     stranger = CurveClient.from_files(keys / "stranger.key_secret", keys / "extproc.key")
     pub_a = ReplicaPublisher(pool_a, [endpoint_b], interval=0.2, curve=own)
     pool_x = WorkerPool(BusyThresholds())
-    pool_x.replica_id = "intruder"
+    pool_x.replica.replica_id = "intruder"
     pool_x.announce("w", model="m", endpoint="127.0.0.1:9")
     pub_x = ReplicaPublisher(pool_x, [endpoint_b], interval=0.2, curve=stranger)
     try:
@@ -238,7 +238,7 @@ async def test_a_class_change_on_one_replica_applies_on_the_other(
     pools, subs, pubs, registries = [], [], [], []
     for name in ("r-a", "r-b"):
         pool = WorkerPool(BusyThresholds(0.5))
-        pool.replica_id = name
+        pool.replica.replica_id = name
         registry = ClassRegistry(parse_table(table), pool)
         sub = EventSubscriber(pool, Metrics(), peers=PeerEstimates(pool, ttl=5), classes=registry)
         await sub.start([], [xpub])
@@ -256,7 +256,7 @@ async def test_a_class_change_on_one_replica_applies_on_the_other(
         )
         assert registries[1].table.by_name("shed").status == 429
         assert pools[1].shares[1].active_decode_blocks == 0.4  # B's flags use it
-        assert registries[1].stamps["shed"] == (1, "r-a")
+        assert registries[1].versions.stamps["shed"] == (1, "r-a")
         # An older change (a late message) does not undo it.
         registries[1].update_class("shed", {"share": 0.9}, (1, "r-0"))
         assert registries[1].table.by_name("shed").share.active_decode_blocks == 0.4

@@ -6,6 +6,7 @@ serialized reply back, so it checks the mapping from a decision to the reply byt
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from extproc.handlers.processor import (
     RequestSession,
 )
 from extproc.handlers.replies import DESTINATION_HEADER, LB_NAMESPACE
+from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
 
 CHAT = "/v1/chat/completions"
@@ -385,6 +387,29 @@ def test_a_free_worker_of_another_model_means_the_body_decides() -> None:
     assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
     # An overloaded mark (worker-side rejection) counts as not free too.
     pool.mark_overloaded(pool.workers["b"])
+    assert local(reply(handler.open_session({}), headers(CHAT)))[0] == 529
+
+
+async def test_requests_waiting_in_the_router_queue_leave_the_answer_to_the_body() -> None:
+    pool = WorkerPool(HALF, clock=Clock())
+    queue = RouterQueue(timeout=30.0)
+    handler = ExtProcHandler(pool, Scheduler(pool), Metrics(), queue=queue)
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=10)
+    pool.report_load("a", active_decode_blocks=6)
+    assert local(reply(handler.open_session({}), headers(CHAT)))[0] == 529
+    done = asyncio.Event()
+    waiter = asyncio.create_task(queue.wait("m", lambda: True if done.is_set() else None))
+    for _ in range(100):  # the task joins the queue on its first step
+        if queue.waiting("m"):
+            break
+        await asyncio.sleep(0)
+    assert queue.waiting("m")
+    # Every worker is busy, but a request waits: FIFO keeps the order, the body decides.
+    resp = reply(handler.open_session({}), headers(CHAT))
+    assert resp.WhichOneof("response") == "request_headers"
+    done.set()
+    queue.notify("m")
+    assert await asyncio.wait_for(waiter, 10.0) is True
     assert local(reply(handler.open_session({}), headers(CHAT)))[0] == 529
 
 
