@@ -28,6 +28,12 @@ DECISION_OUTCOMES = (
 )
 EVENT_TOPICS = ("config", "load", "bye")
 GRPC_CLOSE_REASONS = ("protocol_error", "keepalive_timeout")
+# What to change when streamed responses reach the extproc without their bodies while
+# --router-track-output-blocks is on (extproc_output_unobserved_responses_total).
+UNOBSERVED_OUTPUT_FIX = (
+    "use envoy/envoy-track-output.yaml, or stream the response body on the main filter "
+    "(response_body_mode: STREAMED)"
+)
 
 disable_created_metrics()
 
@@ -67,6 +73,13 @@ class Metrics:
             "Routed requests Envoy could not deliver (connection refused or reset before the "
             "response): answered with the overload reply, the worker skipped for 1 s.",
             ["model"],
+            registry=r,
+        )
+        self.output_unobserved = Counter(
+            "extproc_output_unobserved_responses",
+            "Streamed 2xx responses that ended while --router-track-output-blocks is on and "
+            "no ext_proc stream received their body: their generated tokens were not counted. "
+            f"Fix: {UNOBSERVED_OUTPUT_FIX}.",
             registry=r,
         )
         self.class_unknown = Counter(
