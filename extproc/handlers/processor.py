@@ -465,7 +465,10 @@ class ExtProcHandler:
             if st.output_source:
                 return  # the other stream counts this request's output
             st.output_source = source
-        if st.stream:
+        if st.stream or body.startswith(b"data:"):
+            # Server-Sent Events, also when neither the body's "stream" (decided on the
+            # headers) nor a text/event-stream content type said so.
+            st.stream = True
             tokens = sse_tokens(body)
         else:
             usage = usage_tokens(body)

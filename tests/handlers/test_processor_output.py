@@ -165,6 +165,16 @@ def test_either_stream_alone_counts_the_output(source: str) -> None:
     assert counter(handler, UNOBSERVED) == 0
 
 
+def test_an_sse_body_is_counted_as_a_stream_without_its_content_type() -> None:
+    handler = make()
+    session = routed(handler, body_mode=PM.STREAMED)  # decided on the headers: no "stream"
+    reply(session, response_headers(200))
+    for _ in range(2):
+        deliver(session, chunk(10))
+    assert session.st.ticket is not None and session.st.ticket.generated == 20
+    assert (rank(handler).est_prefill, rank(handler).est_blocks) == (0, 2)
+
+
 def test_without_a_stream_that_delivers_the_body_prefill_ends_at_the_headers() -> None:
     handler = make()
     session = routed(handler, body_mode=PM.NONE)
