@@ -437,6 +437,7 @@ class ExtProcHandler:
         if not self.pool.track_output_blocks:
             return
         self.metrics.output_unobserved.inc()
+        self.metrics.output_unobserved_at = time.monotonic()
         if not self._unobserved_warned:
             self._unobserved_warned = True
             log.warning(

@@ -82,6 +82,8 @@ class Metrics:
             f"Fix: {UNOBSERVED_OUTPUT_FIX}.",
             registry=r,
         )
+        # time.monotonic() of the last of them, for the admin views' warning.
+        self.output_unobserved_at: float | None = None
         self.class_unknown = Counter(
             "extproc_request_class_unknown",
             "Requests that named a class that is not configured (decided as the default).",

@@ -12,7 +12,7 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc.admin.diagnostics import workers_view
+from extproc.admin.diagnostics import UNOBSERVED_WARNING_SECONDS, workers_view
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import Rank, WorkerPool
 from extproc.core.scheduling import Scheduler
@@ -206,7 +206,14 @@ def test_streams_ending_unobserved_are_counted_and_warned_once(
     assert "use envoy/envoy-track-output.yaml, or stream the response body" in warnings[0]
     view = workers_view(handler.pool, metrics=handler.metrics)["output_tracking"]
     assert view["unobserved_responses"] == 3
+    assert 0 <= view["last_unobserved_age_s"] < 60
     assert "use envoy/envoy-track-output.yaml" in view["warning"]
+    # Once the wiring is fixed the warning goes away; the counter keeps the total.
+    assert handler.metrics.output_unobserved_at is not None
+    handler.metrics.output_unobserved_at -= UNOBSERVED_WARNING_SECONDS
+    view = workers_view(handler.pool, metrics=handler.metrics)["output_tracking"]
+    assert view["unobserved_responses"] == 3
+    assert view["warning"] is None
 
 
 def test_without_the_flag_nothing_is_reported(caplog: pytest.LogCaptureFixture) -> None:
@@ -215,7 +222,12 @@ def test_without_the_flag_nothing_is_reported(caplog: pytest.LogCaptureFixture) 
     assert counter(handler, UNOBSERVED) == 0
     assert not [r for r in caplog.records if WARNING in r.getMessage()]
     view = workers_view(handler.pool, metrics=handler.metrics)["output_tracking"]
-    assert view == {"track_output_blocks": False, "unobserved_responses": 0, "warning": None}
+    assert view == {
+        "track_output_blocks": False,
+        "unobserved_responses": 0,
+        "last_unobserved_age_s": None,
+        "warning": None,
+    }
 
 
 @pytest.mark.parametrize(
