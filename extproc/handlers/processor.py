@@ -6,8 +6,10 @@ model read from the start of the body (``extproc.request`` metadata) -> one
 :meth:`~extproc.core.scheduling.Scheduler.decide` call, mapped to a pre-serialized
 reply; without it, the headers ask for the buffered body (parse, decide). Then the
 response headers (turn a worker-side rejection into the overload reply; ask for the
-trailers so the stream lasts as long as the response). The router's estimate for
-the request is released when the stream ends, whatever ended it.
+trailers so the stream lasts as long as the response). Response-body chunks count
+generated tokens, from this stream when its filter streams the body or from the
+observer filter's stream, whichever delivers a chunk of the request first. The router's
+estimate for the request is released when the stream ends, whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
