@@ -59,7 +59,7 @@ def build_app(
 
     async def debug_workers(_: web.Request) -> web.Response:
         names = classes.table.variant_names() if classes is not None else None
-        return web.json_response(workers_view(pool, names))
+        return web.json_response(workers_view(pool, names, metrics))
 
     app.router.add_get("/debug/workers", debug_workers)
     app.router.add_get("/health", health)

@@ -1,17 +1,23 @@
 """``GET /debug/workers``: per worker and rank, what the decision sees and why.
 
 Answers "I set a threshold and never see 529": for every configured check
-that cannot fire on a rank, it names the missing prerequisite.
+that cannot fire on a rank, it names the missing prerequisite; and, with
+--router-track-output-blocks, whether generated tokens are counted at all.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC
 from extproc.core.pool import Rank, Worker, WorkerPool
+from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 
 STALE_LOAD_SECONDS = 5.0  # at most; half the worker TTL when that is shorter
+# The output-tracking warning shows while the last unobserved response ended this recently
+# (the status page's history span): once the wiring is fixed, it goes away.
+UNOBSERVED_WARNING_SECONDS = 300.0
 
 
 def _age(now: float, t: float | None) -> float | None:
@@ -139,12 +145,41 @@ def worker_view(
     }
 
 
-def workers_view(pool: WorkerPool, class_names: list[str] | None = None) -> dict[str, Any]:
+def output_tracking(pool: WorkerPool, metrics: Metrics | None) -> dict[str, Any]:
+    """Whether generated tokens reach the estimate: with --router-track-output-blocks, the
+    streamed responses that ended while no ext_proc stream received their body, and the
+    fix while the last of them is recent."""
+    unobserved, age = 0, None
+    if metrics is not None:
+        value = metrics.registry.get_sample_value("extproc_output_unobserved_responses_total")
+        unobserved = int(value or 0)
+        if metrics.output_unobserved_at is not None:
+            age = round(time.monotonic() - metrics.output_unobserved_at, 3)
+    warning = None
+    if age is not None and age < UNOBSERVED_WARNING_SECONDS:
+        warning = (
+            f"--router-track-output-blocks is on, but {unobserved} streamed responses ended "
+            "without their body reaching the extproc (the last "
+            f"{age:.0f} s ago): their generated tokens were not counted, so long "
+            f"generations never turn a worker busy. Fix: {UNOBSERVED_OUTPUT_FIX}"
+        )
+    return {
+        "track_output_blocks": pool.track_output_blocks,
+        "unobserved_responses": unobserved,
+        "last_unobserved_age_s": age,
+        "warning": warning,
+    }
+
+
+def workers_view(
+    pool: WorkerPool, class_names: list[str] | None = None, metrics: Metrics | None = None
+) -> dict[str, Any]:
     """``class_names``: a label per class variant, when request classes are configured."""
     now = pool.clock()
     return {
         "router_mode_kv": pool.kv_mode,
         "track_output_blocks": pool.track_output_blocks,
+        "output_tracking": output_tracking(pool, metrics),
         "worker_ttl_s": pool.worker_ttl,
         "counts": pool.counts(),
         "workers": [worker_view(pool, w, now, class_names) for w in pool.workers.values()],

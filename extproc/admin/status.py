@@ -4,7 +4,8 @@ The page is one static file (``status.html``: inline CSS and JS, no CDN, works a
 that fetches ``/status.json`` every second and never writes. ``/status.json`` is built at
 read time from the pool (per model thresholds and overload state, per worker and rank the
 effective load against each limit, reported vs router estimate) and from the Metrics
-registry (router queue, event drops), plus :class:`DecisionHistory`: per-second decision
+registry (router queue, event drops, streamed responses whose generated tokens went
+uncounted), plus :class:`DecisionHistory`: per-second decision
 counts by outcome for the last few minutes, sampled from the counters once a second on a
 timer, so the request path pays nothing for it and the chart has history on first load.
 """
@@ -22,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter
 
-from extproc.admin.diagnostics import STALE_LOAD_SECONDS, worker_view
+from extproc.admin.diagnostics import STALE_LOAD_SECONDS, output_tracking, worker_view
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import DECISION_OUTCOMES, Metrics
 from extproc.openai.errors import overload_status_from_env
@@ -165,6 +166,7 @@ def status_view(
             "wait_sum_s": round(wait.get("sum", 0.0), 6),
         },
         "events": {"dropped": dropped, "lost": lost},
+        "output_tracking": output_tracking(pool, metrics),
         "outcomes": list(DECISION_OUTCOMES),
         "history": list(history.points),
     }

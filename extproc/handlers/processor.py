@@ -8,7 +8,9 @@ reply; without it, the same call before the model is known (``model=None``) answ
 the headers when the answer cannot depend on the model, else the headers ask for the
 buffered body (parse, decide). Then the response headers (turn a worker-side rejection
 into the overload reply; ask for the trailers so the stream lasts as long as the
-response). The router's estimate for the request is released when the stream ends,
+response). Response-body chunks count generated tokens, from this stream when its filter
+streams the body or from the observer filter's stream, whichever delivers a chunk of the
+request first. The router's estimate for the request is released when the stream ends,
 whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
@@ -25,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
@@ -41,7 +44,7 @@ from extproc.core.scheduling import (
 from extproc.handlers import replies
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
 from extproc.handlers.router_queue import RouterQueue
-from extproc.metrics.registry import Metrics
+from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 from extproc.openai.request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 
 log = logging.getLogger("extproc.handlers")
@@ -58,6 +61,13 @@ ROLE_METADATA = "x-extproc-role"
 # The dynamic metadata namespace Envoy forwards with the request headers: ``model``, read
 # from the start of the body by a filter ahead of ext_proc (envoy/envoy.yaml).
 REQUEST_NAMESPACE = "extproc.request"
+# Whose response-body chunks count a request's generated tokens: the first stream that
+# delivers one (the routing stream, when its filter streams the response body, or the
+# observer's); the other stream's chunks of that request are not counted again.
+ROUTING_STREAM = 1
+OBSERVER_STREAM = 2
+_STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+_NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 # A reply now, or (first, rest): ``first`` now and the awaited ``rest`` after it.
 Reply = bytes | tuple[bytes, Awaitable[bytes]]
 
@@ -70,19 +80,31 @@ class _Stream:
     """Per-request state of one ext_proc stream."""
 
     __slots__ = (
+        "body_streamed",
         "endpoint_label",
         "fallbacks",
         "model",
+        "observed",
+        "output_source",
         "phase",
         "prompt_tokens",
         "request_class",
         "request_id",
         "stream",
+        "streaming",
         "ticket",
         "variant",
     )
 
     def __init__(self) -> None:
+        # The routing filter streams the response body (its protocol_config says so).
+        self.body_streamed = False
+        # An observer stream that receives the response body is paired with this one.
+        self.observed = False
+        # ROUTING_STREAM or OBSERVER_STREAM once a response-body chunk arrived, else 0.
+        self.output_source = 0
+        # A streamed 2xx response began (it was not over at its headers).
+        self.streaming = False
         # The request's class (None without classes) and the variant of the pool's
         # shares it is decided under (the class, or its large-prompt share).
         self.request_class: RequestClass | None = None
@@ -129,6 +151,8 @@ class ExtProcHandler:
         self._live: dict[str, _Stream] = {}
         # Set once an observability-mode stream arrives: output is counted from bodies.
         self._observed = False
+        # Logged once: streamed responses end while no stream delivers their body.
+        self._unobserved_warned = False
         # Request classes (docs/classes.md): the table in force, None without classes.
         self._classes: ClassTable | None = None
         if classes is not None:
@@ -154,6 +178,8 @@ class ExtProcHandler:
             if kind == "request_body":
                 return self._on_request_body(st, req.request_body)
             if kind == "request_headers":
+                if req.HasField("protocol_config"):  # the first message of the stream
+                    st.body_streamed = req.protocol_config.response_body_mode == _STREAMED
                 return self._on_request_headers(st, req)
             if kind == "response_headers":
                 return self._on_response_headers(st, req.response_headers)
@@ -170,6 +196,8 @@ class ExtProcHandler:
 
     def _on_stream_end(self, st: _Stream) -> None:
         if st.ticket is not None:
+            if st.streaming and not (st.output_source or st.observed or st.body_streamed):
+                self._output_unobserved()
             self.pool.release(st.ticket)
         if st.request_id is not None:
             self._live.pop(st.request_id, None)
@@ -236,7 +264,7 @@ class ExtProcHandler:
                 return early
         # The exact mode: Envoy buffers the body and sends it (the model is not known
         # yet, or a tokenizer counts the prompt).
-        return replies.SEND_BODY
+        return replies.SEND_BODY_STREAMED if st.body_streamed else replies.SEND_BODY
 
     def _decide_before_the_model(self, st: _Stream) -> bytes | None:
         """The reply when it cannot depend on the body, before Envoy sends the body; None
@@ -365,10 +393,11 @@ class ExtProcHandler:
                 return self._worker_rejected(st, ticket)
         if msg.end_of_stream:
             self.pool.release(ticket)
-        elif st.stream and not self._observed and 200 <= status < 300:
-            # No body observation: the stream has started, so prefill is over.
-            self.pool.prefill_done(ticket)
+        elif st.stream and 200 <= status < 300:
+            self._output_begins(st, ticket)
         if st.phase == "request_headers" and not msg.end_of_stream:
+            if st.body_streamed:
+                return replies.CONTINUE_RESPONSE_HEADERS_HOLD_STREAMED
             return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
 
@@ -402,19 +431,54 @@ class ExtProcHandler:
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
         return self.replies.overload(1, "worker_overloaded", st.request_class)
 
+    # ----- generated tokens -------------------------------------------------------------
+
+    def _output_begins(self, st: _Stream, ticket: Ticket) -> None:
+        """A streamed 2xx response began. Without a stream that delivers its body, prefill
+        is over now; with one, at the first generated token."""
+        st.streaming = True
+        if not (self._observed or st.body_streamed):
+            self.pool.prefill_done(ticket)
+
+    def _output_unobserved(self) -> None:
+        """A streamed 2xx response ended and no stream delivered its body: with
+        --router-track-output-blocks its generated tokens went uncounted."""
+        if not self.pool.track_output_blocks:
+            return
+        self.metrics.output_unobserved.inc()
+        self.metrics.output_unobserved_at = time.monotonic()
+        if not self._unobserved_warned:
+            self._unobserved_warned = True
+            log.warning(
+                "--router-track-output-blocks is on, but a streamed response ended and no "
+                "ext_proc stream received its body: generated tokens are not counted, so long "
+                "generations never turn a worker busy. Fix: %s. Counted in "
+                "extproc_output_unobserved_responses_total; not logged again.",
+                UNOBSERVED_OUTPUT_FIX,
+            )
+
     def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
         ticket = st.ticket
         if ticket is not None:
-            self._count_output(st, msg.body)
+            self._count_output(st, msg.body, ROUTING_STREAM)
             if msg.end_of_stream:
                 self.pool.release(ticket)
         return replies.CONTINUE_RESPONSE_BODY
 
-    def _count_output(self, st: _Stream, body: bytes) -> None:
+    def _count_output(self, st: _Stream, body: bytes, source: int) -> None:
+        """Count the generated tokens in a response-body chunk from ``source``; the first
+        stream to deliver a chunk of a request counts all of its output."""
         ticket = st.ticket
         if ticket is None or ticket.released:
             return
-        if st.stream:
+        if st.output_source != source:
+            if st.output_source:
+                return  # the other stream counts this request's output
+            st.output_source = source
+        if st.stream or body.startswith(b"data:"):
+            # Server-Sent Events, also when neither the body's "stream" (decided on the
+            # headers) nor a text/event-stream content type said so.
+            st.stream = True
             tokens = sse_tokens(body)
         else:
             usage = usage_tokens(body)
@@ -432,11 +496,17 @@ class ExtProcHandler:
             kind = req.WhichOneof("request")
             if kind == "response_body":
                 if obs.stream is not None:
-                    self._count_output(obs.stream, req.response_body.body)
+                    self._count_output(obs.stream, req.response_body.body, OBSERVER_STREAM)
             elif kind == "request_headers":
                 for h in req.request_headers.headers.headers:
                     if h.key == REQUEST_ID_HEADER:
-                        obs.stream = self._live.get(_header_value(h))
+                        st = obs.stream = self._live.get(_header_value(h))
+                        if st is not None:
+                            # Without a protocol_config (an older Envoy) assume it does.
+                            st.observed = (
+                                not req.HasField("protocol_config")
+                                or req.protocol_config.response_body_mode != _NO_BODY
+                            )
                         break
         except Exception:  # an observer must never break the stream
             log.exception("error counting output tokens; ignored")

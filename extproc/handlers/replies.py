@@ -138,37 +138,59 @@ CONTINUES = {
     "request_trailers": _serialize(ep.ProcessingResponse(request_trailers=ep.TrailersResponse())),
     "response_trailers": _serialize(ep.ProcessingResponse(response_trailers=ep.TrailersResponse())),
 }
-# The processing mode of a request decided on its body (the exact mode): whatever the
-# filter's configured request body mode, Envoy buffers the body and sends it.
-EXACT_MODE = _PM(
-    request_header_mode=_PM.SEND,
-    request_body_mode=_PM.BUFFERED,
-    response_header_mode=_PM.SEND,
-    response_body_mode=_PM.NONE,
-    request_trailer_mode=_PM.SKIP,
-    response_trailer_mode=_PM.SKIP,
-)
-# Continue, and send the body: the headers did not carry what the decision needs.
-SEND_BODY = _serialize(
-    ep.ProcessingResponse(request_headers=ep.HeadersResponse(), mode_override=EXACT_MODE)
-)
-# A routed response that is not over at its headers, decided without the body: Envoy
-# would close the stream after the last message it expects (the response headers), so
-# it is asked for the response trailers too; the stream, and the request's estimate,
-# last until the response ends, fails, or the client goes away.
-CONTINUE_RESPONSE_HEADERS_HOLD = _serialize(
-    ep.ProcessingResponse(
-        response_headers=ep.HeadersResponse(),
-        mode_override=_PM(
-            request_header_mode=_PM.SEND,
-            request_body_mode=_PM.NONE,
-            response_header_mode=_PM.SEND,
-            response_body_mode=_PM.NONE,
-            request_trailer_mode=_PM.SKIP,
-            response_trailer_mode=_PM.SEND,
-        ),
+
+
+def _send_body(response_body_mode: int) -> bytes:
+    """Continue, and send the body: the headers did not carry what the decision needs.
+
+    The processing mode of a request decided on its body (the exact mode): whatever the
+    filter's configured request body mode, Envoy buffers the body and sends it.
+    """
+    return _serialize(
+        ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(),
+            mode_override=_PM(
+                request_header_mode=_PM.SEND,
+                request_body_mode=_PM.BUFFERED,
+                response_header_mode=_PM.SEND,
+                response_body_mode=response_body_mode,
+                request_trailer_mode=_PM.SKIP,
+                response_trailer_mode=_PM.SKIP,
+            ),
+        )
     )
-)
+
+
+def _hold(response_body_mode: int) -> bytes:
+    """Continue the response headers of a routed response that is not over, decided
+    without the body. Envoy would close the stream after the last message it expects
+    (the response headers), so it is asked for the response trailers too; the stream,
+    and the request's estimate, last until the response ends, fails, or the client goes
+    away."""
+    return _serialize(
+        ep.ProcessingResponse(
+            response_headers=ep.HeadersResponse(),
+            mode_override=_PM(
+                request_header_mode=_PM.SEND,
+                request_body_mode=_PM.NONE,
+                response_header_mode=_PM.SEND,
+                response_body_mode=response_body_mode,
+                request_trailer_mode=_PM.SKIP,
+                response_trailer_mode=_PM.SEND,
+            ),
+        )
+    )
+
+
+# A mode override replaces the filter's whole processing mode, so each override that
+# continues a routed request comes in two forms: for a filter whose response body mode
+# is NONE (or any mode but STREAMED), and for one that streams the response body
+# (announced in the stream's ``protocol_config``), where the override keeps it streamed:
+# generated tokens are counted from it.
+SEND_BODY = _send_body(_PM.NONE)
+SEND_BODY_STREAMED = _send_body(_PM.STREAMED)
+CONTINUE_RESPONSE_HEADERS_HOLD = _hold(_PM.NONE)
+CONTINUE_RESPONSE_HEADERS_HOLD_STREAMED = _hold(_PM.STREAMED)
 # Pass-through paths: drop a client-supplied destination header, stop processing.
 PASSTHROUGH = _serialize(
     ep.ProcessingResponse(

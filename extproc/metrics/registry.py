@@ -28,6 +28,12 @@ DECISION_OUTCOMES = (
 )
 EVENT_TOPICS = ("config", "load", "bye")
 GRPC_CLOSE_REASONS = ("protocol_error", "keepalive_timeout")
+# What to change when streamed responses reach the extproc without their bodies while
+# --router-track-output-blocks is on (extproc_output_unobserved_responses_total).
+UNOBSERVED_OUTPUT_FIX = (
+    "use envoy/envoy-track-output.yaml, or stream the response body on the main filter "
+    "(response_body_mode: STREAMED)"
+)
 
 disable_created_metrics()
 
@@ -69,6 +75,15 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.output_unobserved = Counter(
+            "extproc_output_unobserved_responses",
+            "Streamed 2xx responses that ended while --router-track-output-blocks is on and "
+            "no ext_proc stream received their body: their generated tokens were not counted. "
+            f"Fix: {UNOBSERVED_OUTPUT_FIX}.",
+            registry=r,
+        )
+        # time.monotonic() of the last of them, for the admin views' warning.
+        self.output_unobserved_at: float | None = None
         self.class_unknown = Counter(
             "extproc_request_class_unknown",
             "Requests that named a class that is not configured (decided as the default).",

@@ -223,7 +223,7 @@ def test_a_refused_runtime_change_changes_nothing() -> None:
         with pytest.raises(ClassConfigError) as info:
             registry.update_class("a", changes)
         assert str(info.value).startswith(message), info.value
-        assert registry.table is before and registry.stamps == {}
+        assert registry.table is before and registry.versions.stamps == {}
     updated = registry.update_class("a", {"share": {DECODE: 0.5}, "retry_after": 3})
     assert updated.share == Share(0.5, 1.0, 1.0) and updated.status == 429  # share replaced
     assert updated.retry_after == 3 and registry.table.by_name("a") == updated

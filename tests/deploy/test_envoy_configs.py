@@ -1,13 +1,16 @@
-"""Every Envoy config in the repo loads in the real Envoy (envoy --mode validate)."""
+"""Every Envoy config in the repo, and every wiring the tests derive from one, loads in the
+real Envoy (envoy --mode validate)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from extproc.devstack import ROOT, envoy_binary
+from tests.support.envoy_wirings import http_filters, stream_response_body
 
 CONFIGS = sorted(p for p in (ROOT / "envoy").glob("*.y*ml"))
 
@@ -16,8 +19,7 @@ def test_there_are_configs() -> None:
     assert CONFIGS
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_validates(config: Path) -> None:
+def _validate(config: Path) -> None:
     proc = subprocess.run(
         [
             envoy_binary(),
@@ -35,6 +37,25 @@ def test_config_validates(config: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_validates(config: Path) -> None:
+    _validate(config)
+
+
+def test_the_routing_filter_streaming_the_response_body_validates(tmp_path: Path) -> None:
+    """The one-filter way to count generated tokens (the integration tests run it)."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    stream_response_body(cfg)
+    main = next(f for f in http_filters(cfg) if f["name"] == "envoy.filters.http.ext_proc")
+    assert main["typed_config"]["processing_mode"]["response_body_mode"] == "STREAMED"
+    assert main["typed_config"]["allow_mode_override"] is True
+    config = tmp_path / "envoy-streamed-body.json"
+    config.write_text(json.dumps(cfg))
+    _validate(config)
 
 
 def _strip_observer(node: object) -> object:
