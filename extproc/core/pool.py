@@ -2,7 +2,7 @@
 
 One :class:`WorkerPool` holds it all. The event plane tells it what workers announce
 (:meth:`~WorkerPool.announce`, :meth:`~WorkerPool.report_load`, :meth:`~WorkerPool.leave`),
-the request path records router estimates (dispatch / first token / release), the admin
+the request path records router estimates (dispatch / first token / move / release), the admin
 API sets thresholds. After every write the touched worker's busy flags are recomputed, so
 a routing decision only reads them (:meth:`Worker.free_for`). Plain values only: no I/O,
 no wire structs. What this replica shares with the others (its id, the version stamps of
@@ -551,6 +551,46 @@ class WorkerPool:
         self.replica.estimates_changed()
         if self.on_capacity is not None:
             self.on_capacity(model)
+
+    def move(self, ticket: Ticket, to: Worker | None, rank: Rank | None = None) -> None:
+        """The request is served by ``to`` (rank ``rank``), not by the worker it was
+        dispatched to: an Envoy retry moved it. Its estimate (in-flight count, blocks,
+        prefill while in prefill) leaves the old rank and joins the new one, blocks counted
+        with the new worker's block size; without ``rank``, the new worker's rank with the
+        fewest router-tracked requests in flight (the lowest index on a tie).
+
+        ``to`` None (the serving host is not a known worker): the estimate is released and
+        nothing is counted anywhere, as if the request had ended, though no duration is
+        recorded for ``retry_after``. A released ticket, or a move to its own rank, changes
+        nothing.
+        """
+        if ticket.released:
+            return
+        old_worker, old_rank = ticket.worker, ticket.rank
+        if to is not None:
+            if rank is None:
+                rank = min(to.ranks, key=lambda r: (r.inflight, r.index))
+            if to is old_worker and rank is old_rank:
+                return
+        old_rank.inflight -= 1
+        old_rank.est_blocks -= ticket.blocks
+        if ticket.in_prefill:
+            old_rank.est_prefill -= ticket.prompt_tokens
+        self._refresh_rank(old_worker, old_rank)
+        if to is None or rank is None:
+            ticket.released = True
+        else:
+            tokens = ticket.prompt_tokens + (ticket.generated if self.track_output_blocks else 0)
+            ticket.blocks = _ceil_div(tokens, to.block_size)
+            rank.inflight += 1
+            rank.est_blocks += ticket.blocks
+            if ticket.in_prefill:
+                rank.est_prefill += ticket.prompt_tokens
+            ticket.worker, ticket.rank = to, rank
+            self._refresh_rank(to, rank)
+        self.replica.estimates_changed()
+        if self.on_capacity is not None:
+            self.on_capacity(old_worker.model)
 
     def mark_overloaded(self, worker: Worker) -> None:
         """A worker-side rejection: skip it until its next load report or 1 s."""

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
+from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, Ticket, WorkerPool
 from extproc.core.scheduling import Outcome, Routed, Scheduler
 
 
@@ -241,3 +241,132 @@ def test_retry_after_is_bounded() -> None:
     clock.t += 500
     pool.release(t)
     assert pool.retry_after("m") == 60
+
+
+# ----- the worker that served the request (an Envoy retry moved it) ---------------------
+
+
+def estimate(worker: Any) -> list[tuple[int, int, int]]:
+    return [(r.inflight, r.est_blocks, r.est_prefill) for r in worker.ranks]
+
+
+def test_move_takes_the_whole_estimate_to_the_serving_worker() -> None:
+    pool, _ = make_pool(BusyThresholds(None, 100))
+    announce(pool, "a", port=8001, block_size=16)
+    announce(pool, "b", port=8002, block_size=16)
+    a, b = pool.workers["a"], pool.workers["b"]
+    t = pool.dispatch(a, a.ranks[0], 101)  # above the prefill threshold: a is busy
+    freed: list[str] = []
+    pool.on_capacity = freed.append
+    assert a.busy and not b.busy
+    pool.move(t, b)
+    assert estimate(a) == [(0, 0, 0)] and not a.busy
+    assert estimate(b) == [(1, 7, 101)] and b.busy  # ceil(101/16) = 7
+    assert (t.worker, t.rank) == (b, b.ranks[0])
+    assert freed == ["m"]  # a request waiting for the model may now fit on a
+    pool.release(t)
+    assert estimate(a) == estimate(b) == [(0, 0, 0)] and not b.busy
+
+
+def test_move_after_the_first_token_carries_no_prefill_and_recounts_blocks() -> None:
+    pool, _ = make_pool(BusyThresholds(0.5), track_output_blocks=True)
+    announce(pool, "a", port=8001, block_size=16, kv_total_blocks=100)
+    announce(pool, "b", port=8002, block_size=32, kv_total_blocks=10)
+    a, b = pool.workers["a"], pool.workers["b"]
+    t = pool.dispatch(a, a.ranks[0], 40)
+    pool.generated(t, 120)  # 160 tokens: 10 blocks of 16 on a
+    assert estimate(a) == [(1, 10, 0)]
+    pool.move(t, b)
+    assert estimate(a) == [(0, 0, 0)]
+    assert estimate(b) == [(1, 5, 0)] and not b.busy  # 160 tokens in blocks of 32
+    pool.generated(t, 1)  # 161 tokens: 6 blocks of 32 > half of 10
+    assert estimate(b) == [(1, 6, 0)] and b.busy and estimate(a) == [(0, 0, 0)]
+    pool.release(t)
+    assert estimate(b) == [(0, 0, 0)] and not b.busy
+
+
+def test_move_picks_the_rank_with_fewest_requests_or_the_one_given() -> None:
+    pool, _ = make_pool()
+    announce(pool, "a", port=8001)
+    announce(pool, "b", port=8002, dp_size=3)
+    a, b = pool.workers["a"], pool.workers["b"]
+    pool.dispatch(b, b.ranks[0], 16)
+    pool.dispatch(b, b.ranks[2], 16)
+    t1 = pool.dispatch(a, a.ranks[0], 16)
+    pool.move(t1, b)
+    assert t1.rank is b.ranks[1]
+    t2 = pool.dispatch(a, a.ranks[0], 16)
+    pool.move(t2, b)
+    assert t2.rank is b.ranks[0]  # all three have one: the lowest index
+    t3 = pool.dispatch(a, a.ranks[0], 16)
+    pool.move(t3, b, b.ranks[2])
+    assert [r.inflight for r in b.ranks] == [2, 1, 2] and a.ranks[0].inflight == 0
+
+
+def test_move_to_an_unknown_host_releases_the_estimate_and_counts_nothing() -> None:
+    pool, clock = make_pool(BusyThresholds(None, 100))
+    announce(pool, "a", port=8001)
+    announce(pool, "b", port=8002)
+    a, b = pool.workers["a"], pool.workers["b"]
+    t = pool.dispatch(a, a.ranks[0], 101)
+    clock.t += 30.0
+    pool.move(t, None)
+    assert t.released and not a.busy
+    assert estimate(a) == estimate(b) == [(0, 0, 0)]
+    pool.generated(t, 50)
+    pool.prefill_done(t)
+    pool.release(t)  # the stream's end: already released, nothing changes
+    assert estimate(a) == estimate(b) == [(0, 0, 0)]
+    assert pool.retry_after("m") == 1  # no 30 s duration was recorded
+
+
+def test_move_to_its_own_rank_or_of_a_released_ticket_changes_nothing() -> None:
+    pool, _ = make_pool()
+    announce(pool, "a", port=8001)
+    announce(pool, "b", port=8002)
+    a, b = pool.workers["a"], pool.workers["b"]
+    t = pool.dispatch(a, a.ranks[0], 32)
+    changed: list[str] = []
+    pool.on_capacity = changed.append
+    pool.move(t, a)
+    assert estimate(a) == [(1, 2, 32)] and t.worker is a and changed == []
+    pool.release(t)
+    pool.move(t, b)
+    assert estimate(a) == estimate(b) == [(0, 0, 0)] and t.worker is a
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_sequence_of_moves_leaves_nothing_behind(seed: int) -> None:
+    """Dispatch, move (to a worker, a rank or nowhere), tokens and release in a random
+    order: while requests are live the estimates sum to theirs, and 0 everywhere after."""
+    rng = random.Random(seed)
+    pool, _ = make_pool(BusyThresholds(0.5, 100), track_output_blocks=True)
+    for i, (bs, dp) in enumerate([(16, 1), (32, 2), (8, 3)]):
+        announce(pool, f"w{i}", port=8000 + i, block_size=bs, dp_size=dp, kv_total_blocks=50)
+    workers = list(pool.workers.values())
+    live: list[Ticket] = []
+    for _ in range(200):
+        op = rng.randrange(5)
+        if op == 0 or not live:
+            w = rng.choice(workers)
+            live.append(pool.dispatch(w, rng.choice(w.ranks), rng.randrange(1, 300)))
+            continue
+        t = rng.choice(live)
+        if op == 1:
+            to = rng.choice([*workers, None])
+            rank = rng.choice(to.ranks) if to is not None and rng.random() < 0.5 else None
+            pool.move(t, to, rank)
+        elif op == 2:
+            pool.generated(t, rng.randrange(1, 40))
+        elif op == 3:
+            pool.prefill_done(t)
+        else:
+            pool.release(t)
+        live = [t for t in live if not t.released]
+        counted = [r.inflight for w in workers for r in w.ranks]
+        assert sum(counted) == len(live) and min(counted) >= 0
+        assert sum(r.est_blocks for w in workers for r in w.ranks) == sum(t.blocks for t in live)
+    for t in live:
+        pool.release(t)
+    for w in workers:
+        assert estimate(w) == [(0, 0, 0)] * len(w.ranks) and not w.busy
