@@ -7,7 +7,8 @@ model read from the start of the body (``extproc.request`` metadata) -> one
 reply; without it, the same call before the model is known (``model=None``) answers on
 the headers when the answer cannot depend on the model, else the headers ask for the
 buffered body (parse, decide). Then the response headers (turn a worker-side rejection
-into the overload reply; ask for the trailers so the stream lasts as long as the
+into the overload reply; move the estimate to the host that served the response when an
+Envoy retry moved it off the pick; ask for the trailers so the stream lasts as long as the
 response). Response-body chunks count generated tokens, from this stream when its filter
 streams the body or from the observer filter's stream, whichever delivers a chunk of the
 request first. The router's estimate for the request is released when the stream ends,
@@ -56,6 +57,10 @@ WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
 # connection failure (response flags UF, UH, UC): the worker was never reached.
 UPSTREAM_FAILURE_HEADER = "x-upstream-failure"
 REQUEST_ID_HEADER = "x-request-id"
+# Set by the shipped Envoy configs' inference routes on every upstream response to the
+# host that served it (%UPSTREAM_HOST%, overwriting a worker's own), and removed before the
+# client sees it.
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
 # gRPC initial metadata of the observability-mode filter (counts output tokens only).
 ROLE_METADATA = "x-extproc-role"
 # The dynamic metadata namespace Envoy forwards with the request headers: ``model``, read
@@ -374,6 +379,7 @@ class ExtProcHandler:
             return replies.CONTINUE_RESPONSE_HEADERS
         status = 0
         flagged = unreachable = False
+        served = ""
         for h in msg.headers.headers:
             key = h.key
             if key == ":status":
@@ -384,6 +390,8 @@ class ExtProcHandler:
                 flagged = _header_value(h).strip() == "1"
             elif key == UPSTREAM_FAILURE_HEADER:
                 unreachable = True
+            elif key == SERVED_HEADER:
+                served = _header_value(h)
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
                 st.stream = True  # decided on the headers: the body's "stream" was not read
         if not 200 <= status < 300:
@@ -391,6 +399,8 @@ class ExtProcHandler:
                 return self._worker_unreachable(st, ticket)
             if flagged or status == 529 or status in self._busy_statuses:
                 return self._worker_rejected(st, ticket)
+        if served and served != ticket.worker.endpoint:
+            self._served_elsewhere(ticket, served)
         if msg.end_of_stream:
             self.pool.release(ticket)
         elif st.stream and 200 <= status < 300:
@@ -400,6 +410,15 @@ class ExtProcHandler:
                 return replies.CONTINUE_RESPONSE_HEADERS_HOLD_STREAMED
             return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
+
+    def _served_elsewhere(self, ticket: Ticket, endpoint: str) -> None:
+        """An Envoy retry moved the request off its pick (refused, reset, or a busy status):
+        its estimate follows it to the worker at ``endpoint``, or is released when that is
+        not a known worker of the model."""
+        model = ticket.worker.model
+        worker = self.pool.by_endpoint.get((endpoint, model))
+        self.pool.move(ticket, worker)
+        self.metrics.served_elsewhere.labels(model, "unknown" if worker is None else "worker").inc()
 
     def _worker_unreachable(self, st: _Stream, ticket: Ticket) -> bytes:
         """Envoy's own 503 for a routed request (the worker refused or reset the connection

@@ -75,6 +75,14 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.served_elsewhere = Counter(
+            "extproc_served_elsewhere",
+            "Routed responses served by another host than the pick (an Envoy retry moved "
+            "them): their estimate moved to that worker (served=worker) or, the host not being "
+            "a known worker of the model, was released (served=unknown).",
+            ["model", "served"],
+            registry=r,
+        )
         self.output_unobserved = Counter(
             "extproc_output_unobserved_responses",
             "Streamed 2xx responses that ended while --router-track-output-blocks is on and "

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from extproc.admin.diagnostics import worker_view
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import WorkerPool
+from extproc.core.pool import Ticket, WorkerPool
 from extproc.core.scheduling import Scheduler
 from extproc.handlers.processor import (
     REQUEST_NAMESPACE,
@@ -592,3 +592,58 @@ def test_without_classes_the_overload_reply_still_says_why() -> None:
         "active_decode_blocks_threshold",
         "default",
     )
+
+
+def test_the_estimate_follows_the_host_that_served_the_response() -> None:
+    """Envoy's retry moved the request from the pick to another listed worker: the served
+    header moves its estimate there; an unknown host releases it; the pick's own host or a
+    failure reply moves nothing."""
+    handler = make(BusyThresholds())
+    pool = handler.pool
+    for name, port in (("a", 1), ("b", 2)):
+        pool.announce(name, model="m", endpoint=f"127.0.0.1:{port}")
+    a, b = pool.workers["a"], pool.workers["b"]
+
+    def routed() -> tuple[RequestSession, Ticket]:
+        session = routed_session(handler)
+        ticket = session.st.ticket
+        assert ticket is not None
+        return session, ticket
+
+    def inflight() -> tuple[int, int]:
+        return a.ranks[0].inflight, b.ranks[0].inflight
+
+    session, ticket = routed()
+    pick = ticket.worker
+    other = b if pick is a else a
+    assert inflight() == ((1, 0) if pick is a else (0, 1))
+    served = {"x-gateway-destination-endpoint-served": other.endpoint}
+    resp = reply(session, response_headers(200, extra=served))
+    assert resp.WhichOneof("response") == "response_headers"
+    assert ticket.worker is other and other.ranks[0].inflight == 1 and pick.ranks[0].inflight == 0
+    assert counter(handler, "extproc_served_elsewhere_total", model="m", served="worker") == 1
+    session.close()
+    assert inflight() == (0, 0)
+
+    session, ticket = routed()
+    reply(
+        session,
+        response_headers(200, extra={"x-gateway-destination-endpoint-served": "10.9.9.9:80"}),
+    )
+    assert ticket.released and inflight() == (0, 0)
+    assert counter(handler, "extproc_served_elsewhere_total", model="m", served="unknown") == 1
+    session.close()
+    assert inflight() == (0, 0)
+
+    session, ticket = routed()
+    own = {"x-gateway-destination-endpoint-served": ticket.worker.endpoint}
+    reply(session, response_headers(200, extra=own))
+    assert not ticket.released and sum(inflight()) == 1
+    session.close()
+
+    # Envoy's own 503 after the fallback refused too: the failure path, not a move.
+    session, ticket = routed()
+    failed = {"x-upstream-failure": "UF", "x-gateway-destination-endpoint-served": "127.0.0.1:9"}
+    assert local(reply(session, response_headers(503, extra=failed)))[0] == 529
+    assert inflight() == (0, 0)
+    assert counter(handler, "extproc_served_elsewhere_total", model="m", served="unknown") == 1
