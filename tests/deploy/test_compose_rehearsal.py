@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import http, wait_until
+from extproc.devstack import http, metric_value, wait_until
 from tests.support.compose_netns import Rehearsal, available
 
 WHY_NOT = available()
@@ -144,6 +144,15 @@ def test_requests_through_envoy_reach_every_replica(compose: Rehearsal) -> None:
     assert [r[0] for r in results] == [200] * 24, [r for r in results if r[0] != 200][:3]
     served = collections.Counter(r[1] for r in results)
     assert set(served) == set(_expected_workers(compose)), served
+    # Envoy names the host that served each response by its DNS-resolved address: the one
+    # the worker announced, so the extproc finds it among its workers (an address it did not
+    # know would be counted here as "unknown").
+    status, _, body = http("GET", _admin(compose) + "/metrics", timeout=5)
+    assert status == 200
+    unknown = metric_value(
+        body.decode(), "extproc_served_elsewhere_total", {"model": MODEL, "served": "unknown"}
+    )
+    assert unknown is None, unknown
 
 
 def test_admin_writes_need_the_token_and_every_busy_replica_means_529(compose: Rehearsal) -> None:
