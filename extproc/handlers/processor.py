@@ -400,7 +400,7 @@ class ExtProcHandler:
             if flagged or status == 529 or status in self._busy_statuses:
                 return self._worker_rejected(st, ticket)
         if served and served != ticket.worker.endpoint:
-            self._served_elsewhere(ticket, served)
+            self._served_elsewhere(st, ticket, served)
         if msg.end_of_stream:
             self.pool.release(ticket)
         elif st.stream and 200 <= status < 300:
@@ -411,14 +411,26 @@ class ExtProcHandler:
             return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
 
-    def _served_elsewhere(self, ticket: Ticket, endpoint: str) -> None:
+    def _served_elsewhere(self, st: _Stream, ticket: Ticket, endpoint: str) -> None:
         """An Envoy retry moved the request off its pick (refused, reset, or a busy status):
         its estimate follows it to the worker at ``endpoint``, or is released when that is
-        not a known worker of the model."""
+        not a known worker of the model. Envoy tries the pick, then the listed fallbacks in
+        order, so the pick and every fallback listed before ``endpoint`` refused it: each is
+        skipped until its next load report or 1 s, as after a worker-side rejection."""
+        pool = self.pool
         model = ticket.worker.model
-        worker = self.pool.by_endpoint.get((endpoint, model))
-        self.pool.move(ticket, worker)
-        self.metrics.served_elsewhere.labels(model, "unknown" if worker is None else "worker").inc()
+        refused = [ticket.worker]
+        by_endpoint = pool.by_endpoint
+        if endpoint in st.fallbacks:
+            for fallback in st.fallbacks[: st.fallbacks.index(endpoint)]:
+                worker = by_endpoint.get((fallback, model))
+                if worker is not None:
+                    refused.append(worker)
+        served = by_endpoint.get((endpoint, model))
+        pool.move(ticket, served)
+        for worker in refused:
+            pool.mark_overloaded(worker)
+        self.metrics.served_elsewhere.labels(model, "unknown" if served is None else "worker").inc()
 
     def _worker_unreachable(self, st: _Stream, ticket: Ticket) -> bytes:
         """Envoy's own 503 for a routed request (the worker refused or reset the connection

@@ -622,8 +622,13 @@ def test_the_estimate_follows_the_host_that_served_the_response() -> None:
     assert resp.WhichOneof("response") == "response_headers"
     assert ticket.worker is other and other.ranks[0].inflight == 1 and pick.ranks[0].inflight == 0
     assert counter(handler, "extproc_served_elsewhere_total", model="m", served="worker") == 1
+    # The pick refused it (Envoy retried): skipped until its next load report or 1 s.
+    now = pool.clock()
+    assert not pick.free_for(0, now) and other.free_for(0, now)
     session.close()
     assert inflight() == (0, 0)
+    pool.report_load(pick.worker_id, active_decode_blocks=0)
+    assert pick.free_for(0, pool.clock())
 
     session, ticket = routed()
     reply(
