@@ -1,4 +1,5 @@
-"""Overload benchmark: goodput and latency against offered load, busy thresholds off and on.
+"""Overload benchmark: goodput and latency against offered load, busy thresholds off and on,
+and the recovery after an overload.
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the repo's filter chain, the
 extproc, two simulated vLLM-like workers that publish their load), then:
@@ -7,7 +8,11 @@ extproc, two simulated vLLM-like workers that publish their load), then:
 2. **capacity** — closed-loop sweep of concurrency with thresholds off; capacity is the
    completed req/s at the knee (the smallest concurrency within 5 % of the best);
 3. **cells** — open-loop arrivals (Poisson, seeded) at ``--loads`` x capacity, each with
-   thresholds off and on (set at run time with ``POST /busy_threshold``).
+   thresholds off and on (set at run time with ``POST /busy_threshold``);
+4. **recovery** — thresholds on: ``--recovery-rounds`` overload phases at each of
+   ``--recovery-loads`` x capacity, each followed by probes at a steady rate: the time from
+   the phase's end to the first admitted probe and to >= 95 % admitted over a sliding
+   window (``loadtest/shedbench/recovery.py`` defines both exactly).
 
 Every request is the same streaming chat completion. Per cell: goodput (2xx completed per
 second inside the arrival window, after warm-up), p50/p99 TTFT and p99 end-to-end latency of
@@ -17,7 +22,7 @@ still running ``--grace`` seconds after the window are cancelled and count at th
 time (the percentile is then a lower bound, shown as ``>=``). Writes a markdown table, a JSON
 file and two PNG plots under ``--out``.
 
-    python -m loadtest.overload                      # ~4-5 minutes on 2 cores
+    python -m loadtest.overload                      # ~5-6 minutes on 2 cores
     python -m loadtest.overload --loads 1,3 --cell-seconds 10   # quicker look
 """
 
@@ -39,6 +44,7 @@ from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
 from loadtest.shedbench.config import Config
 from loadtest.shedbench.plots import plot
+from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, recovery_round
 from loadtest.shedbench.report import Results, markdown
 from loadtest.shedbench.results import log, write_results
 from loadtest.shedbench.stack import Stack, started_stack
@@ -46,7 +52,7 @@ from loadtest.shedbench.stats import Cell, summarize
 from loadtest.shedbench.workers import EngineSamples, sample, wait_idle
 
 
-async def run(cfg: Config, stack: Stack, command: str) -> Results:
+async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None) -> Results:
     started = time.monotonic()
     rng = random.Random(cfg.seed)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -100,6 +106,22 @@ async def run(cfg: Config, stack: Stack, command: str) -> Results:
                     f"preemptions {cell.preemptions}, waiting max {cell.waiting_max:.0f}"
                 )
 
+        # 4. recovery: overload phases, thresholds on, each followed by probes
+        rounds: list[RecoveryRound] = []
+        if plan is not None:
+            stack.thresholds(True)
+            for load in plan.loads:
+                for index in range(1, plan.rounds + 1):
+                    r = await recovery_round(session, stack, cfg, plan, capacity, load, index)
+                    rounds.append(r)
+                    log(
+                        f"recovery after {load:g}x, round {index}: first admitted "
+                        f"{r.first_admitted_s} s, 95 % admitted {r.admitted_95_s} s; overload "
+                        f"{r.overload_rejected} of {r.overload_sent} rejected, "
+                        f"{r.running_at_end:.0f} running at its end; rejected probes "
+                        f"{r.rejected_reasons}"
+                    )
+                    await wait_idle(session, stack.engines, 30)
         stack.thresholds(False)
     return Results(
         config=cfg,
@@ -112,6 +134,8 @@ async def run(cfg: Config, stack: Stack, command: str) -> Results:
         knee_concurrency=int(knee["concurrency"]),
         cells=cells,
         seconds=time.monotonic() - started,
+        recovery_plan=plan,
+        recovery=rounds,
     )
 
 
@@ -122,10 +146,10 @@ def _threshold(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "") else float(text)
 
 
-def _loads(flag: str, text: str) -> tuple[float, ...]:
+def _loads(flag: str, text: str, allow_none: bool = False) -> tuple[float, ...]:
     """Comma-separated multiples of capacity, each > 0."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts:
+    if not parts and not allow_none:
         raise ValueError(f"{flag}: {text!r} names no load; expected e.g. 1,3")
     loads: list[float] = []
     for part in parts:
@@ -139,7 +163,7 @@ def _loads(flag: str, text: str) -> tuple[float, ...]:
     return tuple(loads)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
+def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None, Path]:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.overload",
         description=__doc__,
@@ -173,11 +197,53 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     p.add_argument("--sweep-seconds", type=float, default=14.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the table and plots")
+    rec = p.add_argument_group("recovery after overload (thresholds on)")
+    d = RecoveryPlan()
+    rec.add_argument(
+        "--recovery-loads",
+        default=",".join(f"{x:g}" for x in d.loads),
+        help="overload phases, multiples of capacity, comma-separated ('' = no recovery phase; "
+        "default: %(default)s)",
+    )
+    rec.add_argument("--recovery-rounds", type=int, default=d.rounds,
+                     help="rounds per load (default: %(default)s)")  # fmt: skip
+    rec.add_argument("--recovery-overload-seconds", type=float, default=d.overload_seconds,
+                     help="length of each overload phase (default: %(default)s)")  # fmt: skip
+    rec.add_argument("--probe-rate", type=float, default=d.probe_rate,
+                     help="probes per second after it (default: %(default)s)")  # fmt: skip
+    rec.add_argument("--probe-seconds", type=float, default=d.probe_seconds,
+                     help="how long the probes go on (default: %(default)s)")  # fmt: skip
+    rec.add_argument("--recovery-window", type=int, default=d.window,
+                     help="probes in the sliding window of '95 %% admitted' "
+                     "(default: %(default)s)")  # fmt: skip
     a = p.parse_args(argv)
     try:
         loads = _loads("--loads", a.loads)
+        recovery_loads = _loads("--recovery-loads", a.recovery_loads, allow_none=True)
     except ValueError as exc:
         p.error(str(exc))
+    for flag, value in (("--recovery-rounds", a.recovery_rounds),
+                        ("--recovery-window", a.recovery_window)):  # fmt: skip
+        if value < 1:
+            p.error(f"{flag}: {value} is not a count of 1 or more")
+    for flag, value in (("--recovery-overload-seconds", a.recovery_overload_seconds),
+                        ("--probe-rate", a.probe_rate),
+                        ("--probe-seconds", a.probe_seconds)):  # fmt: skip
+        if not value > 0:
+            p.error(f"{flag}: {value:g} is not a positive number")
+    plan = RecoveryPlan(
+        loads=recovery_loads,
+        rounds=a.recovery_rounds,
+        overload_seconds=a.recovery_overload_seconds,
+        probe_rate=a.probe_rate,
+        probe_seconds=a.probe_seconds,
+        window=a.recovery_window,
+    )
+    if recovery_loads and plan.window > plan.probes:
+        p.error(
+            f"--recovery-window: {plan.window} probes do not fit in the {plan.probes} probes "
+            f"of --probe-seconds {a.probe_seconds:g} at --probe-rate {a.probe_rate:g}"
+        )
     cfg = Config(
         kv_total_blocks=a.kv_total_blocks,
         block_size=a.block_size,
@@ -197,15 +263,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
         capacity=a.capacity,
         track_output_blocks=a.router_track_output_blocks,
     )
-    return cfg, Path(a.out)
+    return cfg, plan if recovery_loads else None, Path(a.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, out = parse_args(argv)
+    cfg, plan, out = parse_args(argv)
     command = shlex.join(["python", "-m", "loadtest.overload", *(argv or sys.argv[1:])])
     with started_stack(cfg) as stack:
         log(f"stack up: {stack.describe()}")
-        results = asyncio.run(run(cfg, stack, command))
+        results = asyncio.run(run(cfg, stack, command, plan))
     write_results(out, "overload", results, markdown(results), plot)
     return 0
 

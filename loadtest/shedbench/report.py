@@ -1,14 +1,15 @@
-"""The markdown reports: the overload table, the per-class table, and the targets each is
-measured against."""
+"""The markdown reports: the overload table, the recovery rounds, the per-class table, and
+the targets each is measured against."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadtest.shedbench.classes import ALONE, CLASS_HEADER, MIX, RETRY, MixedCell, Retry
 from loadtest.shedbench.config import Config
+from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, median
 from loadtest.shedbench.results import fmt_ms, fmt_pct
 from loadtest.shedbench.stats import Cell
 
@@ -27,6 +28,8 @@ class Results:
     knee_concurrency: int
     cells: list[Cell]
     seconds: float
+    recovery_plan: RecoveryPlan | None = None
+    recovery: list[RecoveryRound] = field(default_factory=list)
 
     def loads_present(self) -> list[float]:
         return sorted({c.load for c in self.cells})
@@ -89,6 +92,7 @@ def markdown(res: Results) -> str:
         if cfg.track_output_blocks
         else "without `--router-track-output-blocks`, behind `envoy/envoy.yaml`"
     )
+    recovery = recovery_markdown(res)
     return f"""## Overload: goodput and latency against offered load
 
 Command (took {res.seconds:.0f} s):
@@ -122,7 +126,7 @@ includes streams cut off at the end of the cell (a lower bound). Rejected = over
 during the cell; waiting: `vllm:num_requests_waiting` of both workers, sampled every 0.25 s.
 
 {verdict}
-
+{recovery}
 ![goodput](overload-goodput.png)
 ![latency](overload-latency.png)
 """
@@ -151,6 +155,78 @@ def targets(res: Results) -> str:
         f"{fmt_ms(off.ttft_p99_ms, off.censored_p99)} ms, {off.preemptions} preemptions, "
         f"up to {off.waiting_max:.0f} requests waiting."
     )
+
+
+RECOVERY_GOAL_S = 1.0
+
+
+def _s(value: float | None) -> str:
+    return "not within the probes" if value is None else f"{value:.2f}"
+
+
+def recovery_markdown(res: Results) -> str:
+    """The recovery rounds, their medians per load and the 1 s goal; empty if none ran."""
+    plan = res.recovery_plan
+    if plan is None or not res.recovery:
+        return ""
+    rows = [
+        "| overload | round | sent / 529 (last second) | at the end: engines running; KV blocks "
+        "effective / limit (reported, router estimate) | first worker free s | first admitted s "
+        "| 95 % admitted s | probes admitted | rejected probes by reason | overload marks s "
+        "| oldest load report ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res.recovery:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.rejected_reasons.items())) or "—"
+        e = r.at_end
+        end = (
+            f"{r.running_at_end:.0f}; {e.effective_blocks} / {e.limit_blocks} "
+            f"({e.reported_blocks}, {e.estimated_blocks})"
+            if e is not None
+            else f"{r.running_at_end:.0f}"
+        )
+        rows.append(
+            f"| {r.load:g}x | {r.round} | {r.overload_sent} / {r.overload_rejected} "
+            f"({r.overload_rejected_last_second}) | {end} | {_s(r.first_free_s)} | "
+            f"{_s(r.first_admitted_s)} | {_s(r.admitted_95_s)} | "
+            f"{r.probes_admitted} of {len(r.probes)} | {reasons} | {r.overload_marked_s:.2f} | "
+            f"{r.oldest_report_ms:.0f} |"
+        )
+    verdicts = []
+    for load in sorted({r.load for r in res.recovery}):
+        mine = [r for r in res.recovery if r.load == load]
+        first = median([r.first_admitted_s for r in mine])
+        full = median([r.admitted_95_s for r in mine])
+        met = full is not None and full <= RECOVERY_GOAL_S and all(r.overloaded for r in mine)
+        verdicts.append(
+            f"- after {load:g}x: median of {len(mine)} rounds, first admitted {_s(first)} s, "
+            f"95 % admitted {_s(full)} s; goal <= {RECOVERY_GOAL_S:g} s: {MARK[met]}"
+        )
+    interval = 1 / plan.probe_rate
+    need = math.ceil(plan.share * plan.window - 1e-9)
+    return f"""
+### Recovery after overload
+
+Thresholds on. Each round: {plan.overload_seconds:g} s of Poisson arrivals at the load shown, \
+then, from the instant they end, a probe every {interval * 1e3:.0f} ms for \
+{plan.probe_seconds:g} s ({plan.probes} probes: the same prompt, `max_tokens` 4); the \
+overload's admitted streams run on. First admitted: the send time, after the overload's end, \
+of the first probe answered 200. 95 % admitted: the send time of the first admitted probe \
+from which at least {need} of {plan.window} consecutive probes \
+({plan.window * interval:g} s) were answered 200. Resolution: one probe interval. Between \
+rounds the run waits until both engines are empty. "sent / 529 (last second)": the overload \
+phase's arrivals, those rejected, and those rejected in its last second (the phase was still \
+shedding when it ended). The extproc's view, `GET /debug/workers` sampled at the probe rate \
+from the overload's end and summed over both workers: KV blocks "effective" (per rank the \
+larger of the last reported load and the router's estimate of its requests in flight) \
+against the decode threshold's limit at the end; the first sample with a worker free; the \
+time a worker was under an overload mark (after a worker-side rejection or an unreachable \
+worker); the oldest load report seen.
+
+{chr(10).join(rows)}
+
+{chr(10).join(verdicts)}
+"""
 
 
 # --- classes -----------------------------------------------------------------------------------
