@@ -154,7 +154,7 @@ class RecoveryRound:
     first_free_s: float | None  # first pool sample with a worker free
     at_end: PoolSample | None  # the first pool sample, at the overload's end
     overload_marked_s: float  # pool samples with a worker under an overload mark, x interval
-    oldest_report_ms: float  # the oldest load report seen in any pool sample
+    oldest_report_ms: float  # the oldest load report seen until 0.5 s after recovery
     probes: list[Probe] = field(default_factory=list)
     pool: list[PoolSample] = field(default_factory=list)  # until 0.5 s after recovery
 
@@ -216,6 +216,7 @@ async def recovery_round(
     first, sustained = recovery_times(taken, plan.window, plan.share)
     first_free = next((s.at for s in pool if s.free), None)
     recovered = max(math.inf if t is None else t for t in (first_free, sustained))
+    kept = [s for s in pool if s.at <= recovered + 0.5]
     rejected = [p for p in taken if p.status != 200]
     last_second = plan.overload_seconds - 1.0
     return RecoveryRound(
@@ -237,9 +238,9 @@ async def recovery_round(
         first_free_s=first_free,
         at_end=pool[0] if pool else None,
         overload_marked_s=sum(1 for s in pool if s.overloaded) / plan.probe_rate,
-        oldest_report_ms=max((s.oldest_report_ms for s in pool), default=math.nan),
+        oldest_report_ms=max((s.oldest_report_ms for s in kept), default=math.nan),
         probes=taken,
-        pool=[s for s in pool if s.at <= recovered + 0.5],
+        pool=kept,
     )
 
 

@@ -221,7 +221,7 @@ from the overload's end and summed over both workers: KV blocks "effective" (per
 larger of the last reported load and the router's estimate of its requests in flight) \
 against the decode threshold's limit at the end; the first sample with a worker free; the \
 time a worker was under an overload mark (after a worker-side rejection or an unreachable \
-worker); the oldest load report seen.
+worker); the oldest load report seen until half a second after the round recovered.
 
 {chr(10).join(rows)}
 
