@@ -2,8 +2,9 @@
 
 One round: open-loop Poisson arrivals at ``load`` x capacity for ``overload_seconds`` (busy
 thresholds on), then, from the instant that phase ends (``T``), probes at a steady
-``probe_rate`` for ``probe_seconds``: probe ``i`` is sent at ``T + i / probe_rate``. The
-overload's admitted streams keep running; nothing else is sent. From the probes' answers:
+``probe_rate`` for ``probe_seconds``: probe ``i`` is due at ``T + i / probe_rate``, and its
+time is the one it was sent at. The overload's admitted streams keep running; nothing else
+is sent. From the probes' answers:
 
 - **first admitted**: the send time, after ``T``, of the first probe answered 200;
 - **95 % admitted**: the send time, after ``T``, of the first probe ``i`` answered 200 such
@@ -39,6 +40,7 @@ DECODE = "active_decode_blocks_threshold"
 
 PROBE_MAX_TOKENS = 4
 PROBE_TIMEOUT = 30.0  # seconds a probe may take after the probe phase, then it is cancelled
+ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one GET /debug/workers
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ async def watch_pool(
     samples: list[PoolSample] = []
     for i in range(plan.probes):
         await asyncio.sleep(max(0.0, end + i / plan.probe_rate - time.monotonic()))
-        async with session.get(admin + "/debug/workers") as resp:
+        async with session.get(admin + "/debug/workers", timeout=ADMIN_TIMEOUT) as resp:
             body = await resp.json()
         samples.append(pool_sample(time.monotonic() - end, body["workers"]))
     return samples
@@ -187,6 +189,7 @@ async def recovery_round(
         tasks: list[asyncio.Task[None]] = []
         for out, body in zip(outcomes, bodies, strict=True):
             await asyncio.sleep(max(0.0, end + out.arrival - time.monotonic()))
+            out.arrival = time.monotonic() - end  # when it was sent, however late the loop
             tasks.append(asyncio.create_task(send(session, stack.url, body, out, end)))
         await asyncio.wait(tasks, timeout=PROBE_TIMEOUT)
         for task in tasks:
