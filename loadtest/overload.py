@@ -44,7 +44,7 @@ from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
 from loadtest.shedbench.config import Config
 from loadtest.shedbench.plots import plot
-from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, recovery_round
+from loadtest.shedbench.recovery import RecoveryPlan, measure_recovery
 from loadtest.shedbench.report import Results, markdown
 from loadtest.shedbench.results import log, write_results
 from loadtest.shedbench.stack import Stack, started_stack
@@ -107,21 +107,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
                 )
 
         # 4. recovery: overload phases, thresholds on, each followed by probes
-        rounds: list[RecoveryRound] = []
-        if plan is not None:
-            stack.thresholds(True)
-            for load in plan.loads:
-                for index in range(1, plan.rounds + 1):
-                    r = await recovery_round(session, stack, cfg, plan, capacity, load, index)
-                    rounds.append(r)
-                    log(
-                        f"recovery after {load:g}x, round {index}: first admitted "
-                        f"{r.first_admitted_s} s, 95 % admitted {r.admitted_95_s} s; overload "
-                        f"{r.overload_rejected} of {r.overload_sent} rejected, "
-                        f"{r.running_at_end:.0f} running at its end; rejected probes "
-                        f"{r.rejected_reasons}"
-                    )
-                    await wait_idle(session, stack.engines, 30)
+        rounds = await measure_recovery(session, stack, cfg, plan, capacity) if plan else []
         stack.thresholds(False)
     return Results(
         config=cfg,

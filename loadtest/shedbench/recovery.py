@@ -33,8 +33,9 @@ import aiohttp
 from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.client import Outcome, request_body, send
 from loadtest.shedbench.config import Config
+from loadtest.shedbench.results import log
 from loadtest.shedbench.stack import Stack
-from loadtest.shedbench.workers import EngineLoad
+from loadtest.shedbench.workers import EngineLoad, wait_idle
 
 DECODE = "active_decode_blocks_threshold"
 
@@ -245,6 +246,27 @@ async def recovery_round(
         probes=taken,
         pool=kept,
     )
+
+
+async def measure_recovery(
+    session: aiohttp.ClientSession, stack: Stack, cfg: Config, plan: RecoveryPlan, capacity: float
+) -> list[RecoveryRound]:
+    """Every round of ``plan``, thresholds on, each from empty engines."""
+    stack.thresholds(True)
+    rounds: list[RecoveryRound] = []
+    for load in plan.loads:
+        for index in range(1, plan.rounds + 1):
+            r = await recovery_round(session, stack, cfg, plan, capacity, load, index)
+            rounds.append(r)
+            log(
+                f"recovery after {load:g}x, round {index}: first admitted "
+                f"{r.first_admitted_s} s, 95 % admitted {r.admitted_95_s} s; overload "
+                f"{r.overload_rejected} of {r.overload_sent} rejected, "
+                f"{r.running_at_end:.0f} running at its end; rejected probes "
+                f"{r.rejected_reasons}"
+            )
+            await wait_idle(session, stack.engines, 30)
+    return rounds
 
 
 def median(values: Sequence[float | None]) -> float | None:
