@@ -260,13 +260,17 @@ async def measure_recovery(
             rounds.append(r)
             log(
                 f"recovery after {load:g}x, round {index}: first admitted "
-                f"{r.first_admitted_s} s, 95 % admitted {r.admitted_95_s} s; overload "
+                f"{_s(r.first_admitted_s)}, 95 % admitted {_s(r.admitted_95_s)}; overload "
                 f"{r.overload_rejected} of {r.overload_sent} rejected, "
                 f"{r.running_at_end:.0f} running at its end; rejected probes "
                 f"{r.rejected_reasons}"
             )
             await wait_idle(session, stack.engines, 30)
     return rounds
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.2f} s"
 
 
 def median(values: Sequence[float | None]) -> float | None:
