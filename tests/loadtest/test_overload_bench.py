@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from extproc.devstack import PYTHON, ROOT
-from loadtest.shedbench.recovery import Probe, recovery_times
+from loadtest.shedbench.recovery import Probe, median, recovery_times
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
@@ -137,3 +137,19 @@ def test_recovery_times_over_a_sliding_window(
         None if sustained is None else round(sustained, 6),
     )
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([0.5, 0.1, 0.9], 0.5),
+        ([0.2, 0.4], pytest.approx(0.3)),
+        ([0.1, None, 0.3], 0.3),  # a round that never recovered counts as the longest
+        ([0.1, None, None], None),
+        ([], None),
+    ],
+)
+def test_a_round_that_never_recovered_counts_as_the_longest_in_the_median(
+    values: list[float | None], expected: object
+) -> None:
+    assert median(values) == expected
