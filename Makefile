@@ -71,7 +71,7 @@ loadtest: $(LOADTEST_STAMP) ## Locust, 20 users for 30 s, against `make demo` (H
 	  --html loadtest/reports/locust.html --csv loadtest/reports/locust --only-summary $(ARGS)
 	@echo "reports: loadtest/reports/locust.html, loadtest/reports/locust_stats.csv"
 
-overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on (~4 min; docs/overload-*)
+overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on, recovery after overload (~6 min; docs/overload-*)
 	$(PY) -m loadtest.overload $(ARGS)
 
 overload-classes: $(LOADTEST_STAMP) ## Mixed request classes at 1x, 3x, 10x, with and without retries (~4 min; docs/classes-*)

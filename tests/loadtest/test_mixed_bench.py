@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import PYTHON, ROOT
-from loadtest.mixed import Retry
+from loadtest.shedbench.classes import Retry
 
 
 def test_a_retry_waits_retry_after_plus_a_jittered_exponential_backoff() -> None:
