@@ -7,7 +7,8 @@ custom resource against the ``openAPIV3Schema`` of the CRD of the release it tar
 (tests/deploy/crds/, SOURCES.md there), closed the way the API server's strict field validation
 closes it. The negative cases prove that a wrong field fails. Then the wiring: the pool's picker
 port reaches the shedder, the agents publish where the shedder listens, every setting is one the
-programs accept, and the TLS proxy's Envoy config loads in the real Envoy.
+programs accept, and the TLS proxy's Envoy config loads in the real Envoy. Last, the shedder and
+an agent run as real processes on 127.0.0.1 with the rendered settings and CURVE keys.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.devstack import ROOT, envoy_binary
+from extproc.devstack import (
+    ROOT,
+    AgentProcess,
+    Extproc,
+    Proc,
+    SimProcess,
+    envoy_binary,
+    free_port,
+    metric_sums,
+    wait_until,
+)
 from extproc.events.curve import check_publisher_dir, load_key_pair, load_public_key
 
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -658,3 +669,85 @@ def test_the_tls_proxy_config_loads_in_envoy(
     env = _env(_container(deployment, "extproc"), {})
     assert env["EXTPROC_GRPC_HOST"] == "127.0.0.1"
     assert f"port_value: {env['EXTPROC_GRPC_PORT']}" in config
+
+
+# --------------------------------------------------------------------------- the pods, run
+
+
+def _rebind(argv: list[str], flag: str, old: str, new: str) -> list[str]:
+    """argv with ``--flag=old`` replaced by ``--flag=new`` (which must be there)."""
+    assert f"{flag}={old}" in argv, (flag, old, argv)
+    return [f"{flag}={new}" if a == f"{flag}={old}" else a for a in argv]
+
+
+def test_the_pods_programs_run_as_rendered(
+    rendered: dict[str, list[Doc]], secrets: dict[str, Path], tmp_path: Path
+) -> None:
+    """The shedder and an agent, started with the rendered environment and command line
+    and the CURVE keys laid out as the Secrets mount them, on 127.0.0.1 (listen addresses and
+    ports moved there); a simulated engine stands in for vLLM. The agent's worker is known
+    under the pod's name and IP; a publisher without the workers' key is refused."""
+    docs = rendered["istio"]
+    epp = _find(docs, "Deployment", "shedder-epp")
+    extproc = _container(epp, "extproc")
+    env = {k: _local(v, _mounts(epp, extproc, secrets)) for k, v in _env(extproc, {}).items()}
+    grpc, admin, events, engine = free_port(), free_port(), free_port(), free_port()
+    assert env["EXTPROC_EVENT_BIND"] == "tcp://0.0.0.0:5557"
+    env |= {
+        "EXTPROC_GRPC_HOST": "127.0.0.1",
+        "EXTPROC_GRPC_PORT": str(grpc),
+        "EXTPROC_ADMIN_HOST": "127.0.0.1",
+        "EXTPROC_ADMIN_PORT": str(admin),
+        "EXTPROC_EVENT_BIND": f"tcp://127.0.0.1:{events}",
+    }
+    workers = _find(docs, "Deployment", "vllm-worker")
+    agent = _container(workers, "agent")
+    fields = {"metadata.name": "vllm-worker-abc12", "status.podIP": "127.0.0.1"}
+    agent_env = _env(agent, fields)
+    argv = [_local(_expand(a, agent_env), _mounts(workers, agent, secrets)) for a in agent["args"]]
+    argv = _rebind(argv, "--engine-url", "http://127.0.0.1:8000", f"http://127.0.0.1:{engine}")
+    argv = _rebind(argv, "--publish", "tcp://shedder-epp:5557", f"tcp://127.0.0.1:{events}")
+    model = agent_env["MODEL"]
+
+    started: list[Proc] = []
+    shedder = Extproc(tmp_path, env=env, ports=(grpc, admin, events), ready_timeout=30)
+    try:
+        started.append(
+            SimProcess(
+                ["--port", str(engine), "--model", model, "--worker-id", "engine",
+                 "--kv-total-blocks", "256", "--speedup", "20"],
+                log_dir=tmp_path,
+            )
+        )  # fmt: skip
+        started.append(AgentProcess([*argv, "--interval", "0.05"], log_dir=tmp_path))
+
+        def known() -> dict[str, Any] | None:
+            for proc in started:
+                proc.check_alive()
+            return shedder.workers().get("vllm-worker-abc12")
+
+        worker = wait_until(known, 30, "the agent's worker known to the shedder")
+        assert worker["endpoint"] == "127.0.0.1:8000"
+        assert worker["model"] == model
+
+        def refused() -> float:
+            return metric_sums(shedder.metrics()).get("extproc_events_refused_total", 0.0)
+
+        # (An admitted agent's first connection may count one refusal: it reconnects at once.)
+        before = refused()
+
+        # The same agent without the workers' key pair: its handshake fails, nothing it
+        # says is heard.
+        plain = [a for a in argv if not a.startswith("--curve-")]
+        plain = _rebind(plain, "--worker-id", "vllm-worker-abc12", "intruder")
+        started.append(
+            AgentProcess([*plain, "--interval", "0.05"], log_dir=tmp_path, name="intruder")
+        )
+        # Refused, and refused again when it tries again: nothing it sent got through.
+        wait_until(lambda: refused() >= before + 2, 30, "the keyless publisher refused twice")
+        started[-1].check_alive()
+        assert "intruder" not in shedder.workers()
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        shedder.stop()
