@@ -44,6 +44,7 @@ from extproc.core.scheduling import (
 from extproc.handlers import replies
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
 from extproc.handlers.router_queue import RouterQueue
+from extproc.handlers.subset_hint import SubsetHints
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 from extproc.openai.request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 
@@ -92,6 +93,7 @@ class _Stream:
         "request_id",
         "stream",
         "streaming",
+        "subset",
         "ticket",
         "variant",
     )
@@ -115,6 +117,8 @@ class _Stream:
         self.prompt_tokens = 0
         self.request_id: str | None = None
         self.stream = False
+        # The gateway's endpoint subset (Endpoint Picker protocol): None = not given.
+        self.subset: tuple[str, ...] | None = None
         self.ticket: Ticket | None = None
         self.variant = 0
 
@@ -133,6 +137,7 @@ class ExtProcHandler:
         queue: RouterQueue | None = None,
         tokenizer: PromptTokenizer | None = None,
         classes: ClassRegistry | None = None,
+        protocol: str = "envoy",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
@@ -141,7 +146,11 @@ class ExtProcHandler:
         self.tokenizer = tokenizer
         self.queue = queue
         self.clock = clock
-        self.replies = replies.Replies(overload_status, tuple(sorted(worker_busy_statuses)))
+        self.replies = replies.Replies(
+            overload_status, tuple(sorted(worker_busy_statuses)), protocol
+        )
+        # ``epp``: the Endpoint Picker protocol, whose requests may carry a subset hint.
+        self.subset_hints = SubsetHints() if protocol == "epp" else None
         self._busy_statuses = frozenset(worker_busy_statuses)
         # While a request waits in the router queue Envoy must not time the message out.
         self._extend_timeout = replies.extend_timeout(
@@ -246,6 +255,8 @@ class ExtProcHandler:
         if msg.end_of_stream:
             return self._bad_request("Request body is empty; expected a JSON object")
         meta = req.metadata_context.filter_metadata
+        if self.subset_hints is not None:
+            st.subset = self.subset_hints.read(meta)
         if REQUEST_NAMESPACE in meta:
             # The prefix reader ran: "model" is what it read ("" when the body does not
             # start with it; then the body decides, so a malformed one is still a 400).
@@ -279,7 +290,7 @@ class ExtProcHandler:
         """
         queue = self.queue
         waiting = queue is not None and any(queue.waiting(m) for m in self.pool.by_model)
-        decision = self.scheduler.decide(None, 0, st.variant, waiting=waiting)
+        decision = self.scheduler.decide(None, 0, st.variant, waiting=waiting, subset=st.subset)
         if isinstance(decision, Deferred):
             return None
         st.model = decision.model  # one decision per stream: a later body is not decided
@@ -310,7 +321,9 @@ class ExtProcHandler:
             st.variant = self._classes.variant(st.request_class, prompt_tokens)
         queue = self.queue
         waiting = queue is not None and queue.waiting(model)
-        decision = self.scheduler.decide(model, prompt_tokens, st.variant, waiting=waiting)
+        decision = self.scheduler.decide(
+            model, prompt_tokens, st.variant, waiting=waiting, subset=st.subset
+        )
         reply: Reply
         if type(decision) is Queued and queue is not None:
             reply = (self._extend_timeout, self._wait_in_queue(st))
@@ -336,19 +349,19 @@ class ExtProcHandler:
 
     def _attempt(self, st: _Stream) -> Routed | Rejected | None:
         """The head of the queue decides again (it is the one waiting: no FIFO check)."""
-        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant)
+        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant, subset=st.subset)
         return None if isinstance(decision, Queued) else decision
 
     def _reply(self, st: _Stream, decision: Decision) -> bytes:
         """Map a decision to its pre-serialized reply and count it."""
         self.metrics.outcome[decision.outcome.value].inc()
         if type(decision) is Routed:
-            ticket = st.ticket = decision.ticket
+            st.ticket = decision.ticket
             st.fallbacks = decision.fallbacks
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
-            return self.replies.route(ticket.worker.endpoint, decision.fallbacks, st.phase)
+            return self.replies.route(decision.address, decision.fallbacks, st.phase)
         assert type(decision) is Rejected
         if decision.outcome is Outcome.OVERLOADED:
             self.metrics.rejections.labels(st.model, st.endpoint_label).inc()

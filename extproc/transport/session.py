@@ -17,6 +17,15 @@ from typing import Protocol
 Deferred = tuple[bytes, Awaitable[bytes]]
 
 
+class StatusError(Exception):
+    """Raised by ``Session.receive`` to end the call with this gRPC status."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class Session(Protocol):
     """One gRPC stream's handler: messages in, replies out, ``close`` exactly once."""
 

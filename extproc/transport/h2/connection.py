@@ -66,7 +66,7 @@ from extproc.transport.h2.grpc_wire import (
     grpc_trailers,
 )
 from extproc.transport.h2.headers import MAX_HEADER_LIST, HeaderBlocks
-from extproc.transport.session import Session
+from extproc.transport.session import Session, StatusError
 
 if TYPE_CHECKING:
     from extproc.transport.h2server import GrpcServer
@@ -385,7 +385,8 @@ class H2Connection(asyncio.Protocol):
                 self._reset(st, PROTOCOL_ERROR)
                 return
             st.expected = int(length)
-        if metadata.get(":path") != self.server.path or metadata.get(":method") != "POST":
+        factory = self.server.methods.get(metadata.get(":path", ""))
+        if factory is None or metadata.get(":method") != "POST":
             unknown = grpc_trailers(GRPC_UNIMPLEMENTED, f"unknown method {metadata.get(':path')}")
             if metadata.get("content-type", "").startswith("application/grpc"):
                 self._finish(st, unknown)  # a gRPC client hears at once, as from any server
@@ -395,7 +396,7 @@ class H2Connection(asyncio.Protocol):
                     self._on_remote_end(st)
             return
         try:
-            st.session = self.server.factory(metadata)
+            st.session = factory(metadata)
         except Exception:
             log.exception("cannot open an ext_proc stream")
             self._finish(st, grpc_trailers(GRPC_INTERNAL, "extproc error"))
@@ -466,6 +467,9 @@ class H2Connection(asyncio.Protocol):
             return
         try:
             reply = session.receive(message)
+        except StatusError as exc:
+            self._finish(st, grpc_trailers(exc.code, exc.message))
+            return
         except Exception:
             log.exception("error handling an ext_proc message")
             self._finish(st, grpc_trailers(GRPC_INTERNAL, "extproc error"))
