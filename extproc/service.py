@@ -20,7 +20,7 @@ from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, ClassTable
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
-from extproc.core.scheduling import Scheduler
+from extproc.core.scheduling import MAX_FALLBACKS, Scheduler
 from extproc.events.curve import REFUSED_REASONS, CurveClient, CurveServer, load_key_pair
 from extproc.events.replica import ReplicaPublisher
 from extproc.events.subscriber import EventBindError, EventSubscriber
@@ -213,7 +213,12 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         raise StartupError(2, str(exc)) from None
     handler = ExtProcHandler(
         pool,
-        Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
+        Scheduler(
+            pool,
+            settings.router_mode,
+            queue_threshold=settings.router_queue_threshold,
+            max_fallbacks=settings.epp_fallbacks if settings.protocol == "epp" else MAX_FALLBACKS,
+        ),
         metrics,
         overload_status=settings.overload_status,
         worker_busy_statuses=settings.worker_busy_statuses,

@@ -484,6 +484,20 @@ class Settings(BaseSettings):
         metavar="{envoy,epp}",
         expected=f"one of {', '.join(PROTOCOLS)}",
     )
+    epp_fallbacks: Annotated[int, BeforeValidator(_whole)] = setting(
+        0,
+        "--epp-fallbacks",
+        "EXTPROC_EPP_FALLBACKS",
+        "listen",
+        "with --protocol epp: free endpoints listed after the pick (comma-separated, in the "
+        "header and the metadata alike) for the proxy to retry on. Envoy's ORIGINAL_DST "
+        "cluster, as Kubernetes gateways wire it, reads one address and fails on a list: "
+        "raise it only for a proxy that takes the list. Default: 0",
+        metavar="N",
+        expected="a whole number 0-16",
+        ge=0,
+        le=16,
+    )
     admin_host: str = setting(
         "127.0.0.1",
         "--admin-host",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 MAIN_FILTER = "envoy.filters.http.ext_proc"
@@ -20,3 +21,66 @@ def stream_response_body(cfg: dict[str, Any]) -> None:
     one-filter way to let the extproc count generated tokens (no observer filter)."""
     main = next(f for f in http_filters(cfg) if f["name"] == MAIN_FILTER)
     main["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
+
+
+# The test's stand-in for a gateway that computes an endpoint subset: a Lua filter ahead of
+# ext_proc writes envoy.lb.subset_hint from test headers, in the shape x-test-subset-kind
+# asks for: "list" (a list of strings, the protocol's shape), "string" (one comma-separated
+# string, as a header-to-metadata rule writes it), "number" (malformed).
+SUBSET_HINT_LUA = """
+function envoy_on_request(handle)
+  local hint = handle:headers():get("x-test-subset")
+  if hint == nil then return end
+  local kind = handle:headers():get("x-test-subset-kind") or "list"
+  local value = hint
+  if kind == "list" then
+    value = {}
+    for entry in string.gmatch(hint, "[^,]+") do value[#value + 1] = entry end
+  elseif kind == "number" then
+    value = 42
+  end
+  handle:streamInfo():dynamicMetadata():set(
+    "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", value)
+end
+"""
+
+
+FILE_ACCESS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+
+
+def gateway_subset_hint(access_log: str) -> Callable[[dict[str, Any]], None]:
+    """envoy/envoy-epp.yaml with the subset-hint writer ahead of ext_proc, and an access log
+    at ``access_log``: one line per request, ``<status> <envoy.lb metadata> <upstream>``."""
+
+    def tweak(cfg: dict[str, Any]) -> None:
+        filters = http_filters(cfg)
+        filters.insert(
+            0,
+            {
+                "name": "envoy.filters.http.lua",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                    "default_source_code": {"inline_string": SUBSET_HINT_LUA},
+                },
+            },
+        )
+        listener = cfg["static_resources"]["listeners"][0]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.file",
+                "typed_config": {
+                    "@type": FILE_ACCESS_LOG,
+                    "path": access_log,
+                    "log_format": {
+                        "text_format_source": {
+                            "inline_string": "%RESPONSE_CODE% "
+                            "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% "
+                            "%UPSTREAM_HOST%\n"
+                        }
+                    },
+                },
+            }
+        ]
+
+    return tweak
