@@ -180,7 +180,7 @@ def test_a_malformed_hint_is_treated_as_absent(gw: Gateway, subset: str, kind: s
     status, _, body = gw.chat(subset, kind)
     # As without a subset: the free worker of the model, never a crash or a 5xx.
     assert (status, body["worker_id"]) == (200, "b")
-    assert gw.ext.proc.alive
+    assert gw.ext.proc.alive()
 
 
 def test_malformed_hints_are_logged_once_not_per_request(gw: Gateway) -> None:
@@ -215,3 +215,20 @@ def test_a_client_cannot_choose_the_pod(gw: Gateway) -> None:
     )
     assert status == 200
     assert json.loads(raw)["worker_id"] == "b"
+
+
+@pytest.mark.parametrize(
+    "service", ["liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+)
+def test_the_health_services_the_protocol_names_serve(gw: Gateway, service: str) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    with grpc.insecure_channel(f"127.0.0.1:{gw.ext.grpc_port}") as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
