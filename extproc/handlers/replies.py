@@ -241,6 +241,32 @@ PASSTHROUGH = _serialize(
         ),
     )
 )
+# The same for a filter in FULL_DUPLEX_STREAMED mode, which takes no mode override: the
+# body then comes through the stream and is sent back (streamed_body).
+PASSTHROUGH_DUPLEX = _serialize(
+    ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+            )
+        )
+    )
+)
+
+
+def streamed_body(kind: str, body: bytes, end_of_stream: bool) -> bytes:
+    """Send ``body`` on, unchanged, as a FULL_DUPLEX_STREAMED filter expects it back: the
+    reply to a ``request_body`` or ``response_body`` message (``kind``)."""
+    common = ep.CommonResponse(
+        body_mutation=ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+        )
+    )
+    if kind == "request_body":
+        return _serialize(ep.ProcessingResponse(request_body=ep.BodyResponse(response=common)))
+    return _serialize(ep.ProcessingResponse(response_body=ep.BodyResponse(response=common)))
+
+
 NO_WORKERS = immediate(503, error_body("Service temporarily unavailable", 503))
 MODEL_NOT_FOUND = immediate(404, error_body("Model not found", 404))
 INTERNAL_ERROR = immediate(

@@ -93,6 +93,10 @@ class GrpcioServer:
                     first, rest = reply
                     yield first
                     reply = await rest
-                yield reply
+                if isinstance(reply, list):
+                    for one in reply:
+                        yield one
+                else:
+                    yield reply
         finally:
             session.close()

@@ -8,12 +8,14 @@ import logging
 
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
+from extproc.handlers import processor, replies
 from extproc.handlers.processor import ExtProcHandler, RequestSession
 from extproc.handlers.replies import DESTINATION_HEADER, LB_NAMESPACE
 from extproc.handlers.subset_hint import (
@@ -221,3 +223,107 @@ def test_absent_hints_read_as_none() -> None:
     other = struct_pb2.Struct()
     other.update({"something-else": [A]})
     assert hints.read({SUBSET_NAMESPACE: other}) is None
+
+
+# ----- FULL_DUPLEX_STREAMED bodies -------------------------------------------------------
+
+DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def duplex_headers(path: str = CHAT, method: str = "POST") -> bytes:
+    hm = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
+        ]
+    )
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm))
+    req.protocol_config.request_body_mode = DUPLEX
+    req.protocol_config.response_body_mode = DUPLEX
+    return req.SerializeToString()
+
+
+def chunk(kind: str, data: bytes, end: bool) -> bytes:
+    body = ep.HttpBody(body=data, end_of_stream=end)
+    if kind == "request_body":
+        return ep.ProcessingRequest(request_body=body).SerializeToString()
+    return ep.ProcessingRequest(response_body=body).SerializeToString()
+
+
+def streamed(raw: bytes, kind: str) -> tuple[bytes, bool]:
+    resp = ep.ProcessingResponse.FromString(raw)
+    assert resp.WhichOneof("response") == kind
+    out = getattr(resp, kind).response.body_mutation.streamed_response
+    return out.body, out.end_of_stream
+
+
+def test_a_duplex_body_is_gathered_then_the_headers_answered_and_the_body_sent_on() -> None:
+    handler = make()
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    raw = json.dumps({"model": "m", "messages": [{"content": "hi"}]}).encode()
+    assert session.receive(duplex_headers()) is None
+    assert session.receive(chunk("request_body", raw[:10], False)) is None
+    out = session.receive(chunk("request_body", raw[10:], True))
+    assert isinstance(out, list) and len(out) == 2
+    first = ep.ProcessingResponse.FromString(out[0])
+    assert first.WhichOneof("response") == "request_headers"
+    sets = {h.header.key: h.header.raw_value.decode()
+            for h in first.request_headers.response.header_mutation.set_headers}  # fmt: skip
+    meta = first.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert sets[DESTINATION_HEADER] == meta[DESTINATION_HEADER].string_value == B
+    assert streamed(out[1], "request_body") == (raw, True)
+    # The response body goes back chunk by chunk, and the estimate ends with it.
+    worker = handler.pool.workers["b"]
+    assert worker.ranks[0].inflight == 1
+    ok = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
+            )
+        )
+    )
+    reply = session.receive(ok.SerializeToString())
+    assert isinstance(reply, bytes)
+    assert ep.ProcessingResponse.FromString(reply).HasField("response_headers")
+    reply = session.receive(chunk("response_body", b'{"usage":', False))
+    assert isinstance(reply, bytes) and streamed(reply, "response_body") == (b'{"usage":', False)
+    reply = session.receive(chunk("response_body", b"{}}", True))
+    assert isinstance(reply, bytes) and streamed(reply, "response_body") == (b"{}}", True)
+    assert worker.ranks[0].inflight == 0
+
+
+def test_a_rejected_duplex_body_is_the_one_local_reply() -> None:
+    handler = make()
+    handler.pool.report_load("a", active_decode_blocks=9)
+    handler.pool.report_load("b", active_decode_blocks=9)
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    assert session.receive(duplex_headers()) is not None  # every worker busy: on the headers
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    handler.pool.report_load("b", active_decode_blocks=0)
+    assert session.receive(duplex_headers()) is None
+    out = session.receive(chunk("request_body", b"{not json", True))
+    assert isinstance(out, bytes)
+    assert ep.ProcessingResponse.FromString(out).immediate_response.status.code == 400
+
+
+def test_a_duplex_passthrough_sends_every_chunk_on() -> None:
+    session = make().open_session({})
+    assert isinstance(session, RequestSession)
+    first = session.receive(duplex_headers("/v1/other"))
+    assert first == replies.PASSTHROUGH_DUPLEX
+    out = session.receive(chunk("request_body", b"abc", True))
+    assert isinstance(out, bytes) and streamed(out, "request_body") == (b"abc", True)
+
+
+def test_a_duplex_body_larger_than_the_limit_is_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processor, "MAX_DUPLEX_BODY", 8)
+    session = make().open_session({})
+    assert isinstance(session, RequestSession)
+    assert session.receive(duplex_headers()) is None
+    out = session.receive(chunk("request_body", b"0123456789", False))
+    assert isinstance(out, bytes)
+    imm = ep.ProcessingResponse.FromString(out).immediate_response
+    assert imm.status.code == 400 and b"larger than 8 bytes" in imm.body

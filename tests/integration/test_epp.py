@@ -1,7 +1,8 @@
 """The Endpoint Picker protocol through the real Envoy, wired as a Kubernetes gateway wires an
 InferencePool (envoy/envoy-epp.yaml: buffered ext_proc, ORIGINAL_DST cluster keyed on
 x-gateway-destination-endpoint), with a Lua filter standing in for the gateway that writes
-the endpoint subset hint (tests/support/envoy_wirings.py).
+the endpoint subset hint (tests/support/envoy_wirings.py). Every case runs with buffered
+bodies and with full-duplex streamed ones.
 
 Echo workers a and b serve model ``m`` on 127.0.0.1 and report load; echo worker c never
 announces itself (an endpoint known only from the gateway). Worker ``x`` serves ``m2`` and
@@ -19,26 +20,30 @@ from typing import Any
 import pytest
 
 from extproc.devstack import Envoy, Extproc, Publisher, checkout_file, free_port, http, wait_until
-from tests.support.envoy_wirings import gateway_subset_hint
+from tests.support.envoy_wirings import full_duplex, gateway_subset_hint
 
 CHAT = "/v1/chat/completions"
 KV = 10  # blocks per worker; above 5 in use is busy (threshold 0.5)
 
 
 class Gateway:
-    def __init__(self, log_dir: Path, workers: dict[str, int]) -> None:
+    def __init__(self, log_dir: Path, workers: dict[str, int], body_mode: str) -> None:
         self.workers = workers
+        self.body_mode = body_mode
         self.ext = Extproc(
             log_dir,
             ["--protocol", "epp", "--worker-ttl", "300", "--active-decode-blocks-threshold", "0.5"],
         )
         self.access_log = log_dir / f"epp-access-{self.ext.grpc_port}.log"
+        hint = gateway_subset_hint(str(self.access_log))
+
+        def tweak(cfg: dict[str, Any]) -> None:
+            hint(cfg)
+            if body_mode == "duplex":
+                full_duplex(cfg)
+
         self.envoy = Envoy(
-            log_dir,
-            self.ext,
-            [],
-            tweak=gateway_subset_hint(str(self.access_log)),
-            source=checkout_file("envoy/envoy-epp.yaml"),
+            log_dir, self.ext, [], tweak=tweak, source=checkout_file("envoy/envoy-epp.yaml")
         )
         self.pub = Publisher(self.ext.event_endpoint)
         for name in ("a", "b"):
@@ -80,9 +85,13 @@ class Gateway:
         self.ext.stop()
 
 
-@pytest.fixture(scope="module")
-def gw(log_dir: Path, echo_workers: dict[str, int]) -> Iterator[Gateway]:
-    gateway = Gateway(log_dir, echo_workers)
+@pytest.fixture(scope="module", params=["buffered", "duplex"])
+def gw(
+    request: pytest.FixtureRequest, log_dir: Path, echo_workers: dict[str, int]
+) -> Iterator[Gateway]:
+    """The gateway with BUFFERED bodies (envoy-epp.yaml as it is) or FULL_DUPLEX_STREAMED
+    ones (Istio's wiring, the default of Envoy AI Gateway)."""
+    gateway = Gateway(log_dir, echo_workers, request.param)
     yield gateway
     gateway.close()
 
@@ -232,3 +241,47 @@ def test_the_health_services_the_protocol_names_serve(gw: Gateway, service: str)
         )
         reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_streamed_response_and_a_large_body_come_through_whole(gw: Gateway) -> None:
+    """In full duplex every body chunk goes through the extproc and back."""
+    gw.load(a=0, b=0)
+    content = "x" * 300_000
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": content}]}
+    status, hdrs, raw = http("POST", gw.envoy.url + CHAT, body, {"x-test-chunks": "5"})
+    assert status == 200
+    assert hdrs["content-type"].startswith("text/event-stream")
+    events = [ln for ln in raw.decode().splitlines() if ln.startswith("data: ")]
+    assert [json.loads(e[6:])["i"] for e in events[:-1]] == [0, 1, 2, 3, 4]
+    assert events[-1] == "data: [DONE]"
+    status, _, raw = http(
+        "POST",
+        gw.envoy.url + CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": content}]},
+    )
+    assert status == 200
+    assert json.loads(raw)["body_len"] == len(
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+    )
+
+
+def test_the_estimate_returns_to_zero_after_every_request(gw: Gateway) -> None:
+    gw.load(a=0, b=0)
+    for _ in range(5):
+        assert gw.chat()[0] == 200
+        assert gw.chat(gw.endpoint("c"))[0] == 200
+
+    def idle() -> bool:
+        view = gw.ext.workers()
+        return all(
+            view[w]["ranks"][0]["router_estimate"]["requests_in_flight"] == 0 for w in ("a", "b")
+        )
+
+    wait_until(idle, 10, "no request in flight")
+
+
+def test_envoy_runs_the_body_mode_the_case_says(gw: Gateway) -> None:
+    dump = http("GET", f"http://127.0.0.1:{gw.envoy.admin_port}/config_dump")[2].decode()
+    want = "FULL_DUPLEX_STREAMED" if gw.body_mode == "duplex" else "BUFFERED"
+    assert f'"request_body_mode": "{want}"' in dump
+    assert f'"response_body_mode": "{want}"' in dump

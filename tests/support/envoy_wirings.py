@@ -84,3 +84,21 @@ def gateway_subset_hint(access_log: str) -> Callable[[dict[str, Any]], None]:
         ]
 
     return tweak
+
+
+def full_duplex(cfg: dict[str, Any]) -> None:
+    """envoy/envoy-epp.yaml with the ext_proc filter's modes as Istio generates them for an
+    InferencePool (istio/istio, BuildInferencePoolExtProcFilter): both bodies
+    FULL_DUPLEX_STREAMED, both trailers SEND, message_timeout 1000s; Envoy AI Gateway's
+    default ("duplex") differs only in the timeout."""
+    main = next(f for f in http_filters(cfg) if f["name"] == MAIN_FILTER)
+    config = main["typed_config"]
+    config["processing_mode"] = {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_trailer_mode": "SEND",
+    }
+    config["message_timeout"] = "1000s"
