@@ -269,7 +269,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     sweeper = asyncio.create_task(_sweep(pool, peers, interval))
     parts.callback(sweeper.cancel)
     log.info(
-        "serving ext_proc on %s (%s server, %s protocol), admin on http://%s:%s, events on %s; "
+        "serving ext_proc on %s (%s server), %s protocol, admin on http://%s:%s, events on %s; "
         "router mode %s; thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; "
         "worker busy statuses %s; replica %s%s",
         address,
