@@ -291,8 +291,12 @@ class ExtProcHandler:
         if msg.end_of_stream:
             return self._bad_request("Request body is empty; expected a JSON object")
         meta = req.metadata_context.filter_metadata
-        if self.subset_hints is not None:
-            st.subset = self.subset_hints.read(meta)
+        hints = self.subset_hints
+        if hints is not None:
+            malformed = hints.malformed
+            st.subset = hints.read(meta)
+            if hints.malformed != malformed:
+                self.metrics.subset_hint_malformed.inc()
         if REQUEST_NAMESPACE in meta:
             # The prefix reader ran: "model" is what it read ("" when the body does not
             # start with it; then the body decides, so a malformed one is still a 400).

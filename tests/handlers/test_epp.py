@@ -185,6 +185,7 @@ def test_a_malformed_hint_is_absent_and_logged_naming_it(
     (line,) = [r.getMessage() for r in caplog.records]
     assert says in line and SUBSET_KEY in line and "expected a list of" in line
     assert handler.subset_hints is not None and handler.subset_hints.malformed == 1
+    assert handler.metrics.registry.get_sample_value("extproc_subset_hint_malformed_total") == 1
 
 
 def test_malformed_hints_are_logged_at_most_once_a_minute_with_a_count() -> None:

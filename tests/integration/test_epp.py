@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Envoy, Extproc, Publisher, checkout_file, free_port, http, wait_until
+from extproc.devstack import (
+    Envoy,
+    Extproc,
+    Publisher,
+    checkout_file,
+    free_port,
+    http,
+    metric_value,
+    wait_until,
+)
 from tests.support.envoy_wirings import full_duplex, gateway_subset_hint
 
 CHAT = "/v1/chat/completions"
@@ -96,34 +105,35 @@ def gw(
     gateway.close()
 
 
-def _access_lines(gw: Gateway, n: int) -> list[str]:
-    """The last ``n`` access-log lines, once Envoy has written them."""
+def _access_line(gw: Gateway, test_id: str) -> list[str]:
+    """The access-log fields of the request sent with ``x-test-id: test_id``, once Envoy has
+    written them (it flushes the file about once a second)."""
 
     def written() -> list[str] | None:
         if not gw.access_log.exists():
             return None
-        lines = gw.access_log.read_text().splitlines()
-        return lines[-n:] if len(lines) >= n else None
+        for line in gw.access_log.read_text().splitlines():
+            fields = line.split(" ")
+            if fields[0] == test_id:
+                return fields[1:]
+        return None
 
-    result: list[str] = wait_until(written, 10, "access log lines")
+    result: list[str] = wait_until(written, 10, f"the access-log line of {test_id}")
     return result
 
 
 def test_routed_in_header_and_metadata_alike(gw: Gateway) -> None:
     gw.load(a=1, b=1)
-    status, _, body = gw.chat()
-    assert status == 200, body
-    picked = gw.endpoint(body["worker_id"])
+    test_id = f"routed-{gw.body_mode}"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    status, _, raw = http("POST", gw.envoy.url + CHAT, body, {"x-test-id": test_id})
+    assert status == 200, raw
+    seen = json.loads(raw)
     # The header the worker received and the metadata Envoy logged carry the same value:
     # the pick alone (ORIGINAL_DST reads one address; --epp-fallbacks is 0 by default).
-    assert body["destination"] == picked
-    before = gw.access_log.read_text().count("\n") if gw.access_log.exists() else 0
-    status, _, body = gw.chat()
-    assert status == 200
-    line = _access_lines(gw, before + 1)[-1]
-    code, meta, upstream = line.split(" ")
+    code, meta, upstream = _access_line(gw, test_id)
     assert code == "200"
-    assert meta == body["destination"] == upstream == gw.endpoint(body["worker_id"])
+    assert meta == seen["destination"] == upstream == gw.endpoint(seen["worker_id"])
 
 
 @pytest.mark.parametrize("kind", ["list", "string"])
@@ -196,8 +206,10 @@ def test_malformed_hints_are_logged_once_not_per_request(gw: Gateway) -> None:
     """One line names the value and what was expected; the next ones within the minute are
     counted, not logged (the unit tests check the line of each shape)."""
     gw.load(a=0, b=0)
+    before = metric_value(gw.ext.metrics(), "extproc_subset_hint_malformed_total") or 0
     for subset, kind in [*MALFORMED, ("garbage", "string")] * 5:
         assert gw.chat(subset, kind)[0] == 200
+    assert metric_value(gw.ext.metrics(), "extproc_subset_hint_malformed_total") == before + 20
     lines = [ln for ln in gw.ext.proc.log().splitlines() if "ignoring the endpoint subset" in ln]
     assert len(lines) == 1, lines
     assert "WARNING" in lines[0]

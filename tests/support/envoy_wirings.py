@@ -50,7 +50,8 @@ FILE_ACCESS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.F
 
 def gateway_subset_hint(access_log: str) -> Callable[[dict[str, Any]], None]:
     """envoy/envoy-epp.yaml with the subset-hint writer ahead of ext_proc, and an access log
-    at ``access_log``: one line per request, ``<status> <envoy.lb metadata> <upstream>``."""
+    at ``access_log``: one line per request,
+    ``<x-test-id header> <status> <envoy.lb metadata> <upstream>``."""
 
     def tweak(cfg: dict[str, Any]) -> None:
         filters = http_filters(cfg)
@@ -74,7 +75,7 @@ def gateway_subset_hint(access_log: str) -> Callable[[dict[str, Any]], None]:
                     "path": access_log,
                     "log_format": {
                         "text_format_source": {
-                            "inline_string": "%RESPONSE_CODE% "
+                            "inline_string": "%REQ(X-TEST-ID)% %RESPONSE_CODE% "
                             "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% "
                             "%UPSTREAM_HOST%\n"
                         }
