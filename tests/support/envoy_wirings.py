@@ -89,9 +89,10 @@ def gateway_subset_hint(access_log: str) -> Callable[[dict[str, Any]], None]:
 
 def full_duplex(cfg: dict[str, Any]) -> None:
     """envoy/envoy-epp.yaml with the ext_proc filter's modes as Istio generates them for an
-    InferencePool (istio/istio, BuildInferencePoolExtProcFilter): both bodies
-    FULL_DUPLEX_STREAMED, both trailers SEND, message_timeout 1000s; Envoy AI Gateway's
-    default ("duplex") differs only in the timeout."""
+    InferencePool (istio/istio main, pilot/pkg/xds/filters/filters.go,
+    BuildInferencePoolExtProcFilter, late 2026): both bodies FULL_DUPLEX_STREAMED, both
+    trailers SEND, message_timeout 1000s. Envoy AI Gateway v1.1.0's default ("duplex") sets
+    the same modes with a 300 s timeout."""
     main = next(f for f in http_filters(cfg) if f["name"] == MAIN_FILTER)
     config = main["typed_config"]
     config["processing_mode"] = {
