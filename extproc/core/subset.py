@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from extproc.core.busy import BusyThresholds, Share
 from extproc.core.pool import Rank, Worker, WorkerPool
 
 # Workers known only from the gateway, kept for their router estimates; past this many,
@@ -40,7 +41,7 @@ class GatewayWorkers:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
         # (address, model) -> (worker, the thresholds and shares its limits were built from)
-        self._known: dict[tuple[str, str], tuple[Worker, object, object]] = {}
+        self._known: dict[tuple[str, str], tuple[Worker, BusyThresholds, list[Share]]] = {}
 
     def __len__(self) -> int:
         return len(self._known)
