@@ -29,7 +29,7 @@ from extproc.devstack import (
     metric_value,
     wait_until,
 )
-from tests.support.envoy_wirings import full_duplex, gateway_subset_hint
+from tests.support.envoy_wirings import full_duplex, gateway_subset_hint, override_host_pool
 
 CHAT = "/v1/chat/completions"
 KV = 10  # blocks per worker; above 5 in use is busy (threshold 0.5)
@@ -297,3 +297,52 @@ def test_envoy_runs_the_body_mode_the_case_says(gw: Gateway) -> None:
     want = "FULL_DUPLEX_STREAMED" if gw.body_mode == "duplex" else "BUFFERED"
     assert f'"request_body_mode": "{want}"' in dump
     assert f'"response_body_mode": "{want}"' in dump
+
+
+@pytest.fixture(scope="module")
+def listing(log_dir: Path, echo_workers: dict[str, int]) -> Iterator[tuple[Extproc, Envoy]]:
+    """--epp-fallbacks 2 before a data plane that takes the list (override_host)."""
+    ext = Extproc(
+        log_dir,
+        ["--protocol", "epp", "--epp-fallbacks", "2", "--active-decode-blocks-threshold", "0.5"],
+    )
+    envoy = Envoy(
+        log_dir,
+        ext,
+        [],
+        tweak=override_host_pool([echo_workers["a"], echo_workers["b"]]),
+        source=checkout_file("envoy/envoy-epp.yaml"),
+    )
+    yield ext, envoy
+    envoy.stop()
+    ext.stop()
+
+
+def test_with_fallbacks_a_refusing_pick_is_retried_on_the_next_listed(
+    listing: tuple[Extproc, Envoy], echo_workers: dict[str, int]
+) -> None:
+    ext, envoy = listing
+    pub = Publisher(ext.event_endpoint)
+    try:
+        a, b = (f"127.0.0.1:{echo_workers[n]}" for n in ("a", "b"))
+        pub.announce(ext, "a", "m", a, kv_total_blocks=KV)
+        pub.announce(ext, "b", "m", b, kv_total_blocks=KV)
+        pub.load("a", active_decode_blocks=0)
+        pub.load("b", active_decode_blocks=1)
+        wait_until(
+            lambda: ext.workers()["b"]["ranks"][0]["reported"]["active_decode_blocks"] == 1,
+            10,
+            "b's load applied",
+        )
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+        status, _, raw = http(
+            "POST", envoy.url + CHAT, body, {"x-test-status": "529", "x-test-status-for": "a"}
+        )
+        assert status == 200, raw
+        seen = json.loads(raw)
+        # a was picked (least loaded), refused; Envoy went down the list to b. The header
+        # carries the same list as the metadata.
+        assert seen["worker_id"] == "b"
+        assert seen["destination"] == f"{a},{b}"
+    finally:
+        pub.close()

@@ -104,3 +104,63 @@ def full_duplex(cfg: dict[str, Any]) -> None:
         "response_trailer_mode": "SEND",
     }
     config["message_timeout"] = "1000s"
+
+
+def override_host_pool(worker_ports: list[int]) -> Callable[[dict[str, Any]], None]:
+    """envoy/envoy-epp.yaml with a data plane that takes the picker's list: the pool as a
+    static cluster of ``worker_ports`` under Envoy's override_host policy, which reads
+    envoy.lb / x-gateway-destination-endpoint and goes down the list on retries of a 529."""
+    round_robin = {
+        "name": "envoy.load_balancing_policies.round_robin",
+        "typed_config": {"@type": ROUND_ROBIN},
+    }
+    override_host = {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": OVERRIDE_HOST,
+            "override_host_sources": [
+                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}}
+            ],
+            "fallback_policy": {"policies": [{"typed_extension_config": round_robin}]},
+        },
+    }
+    members = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+        for p in worker_ports
+    ]
+
+    def tweak(cfg: dict[str, Any]) -> None:
+        clusters = cfg["static_resources"]["clusters"]
+        (pool,) = [c for c in clusters if c["name"] == "inference_pool"]
+        pool.clear()
+        pool.update(
+            {
+                "name": "inference_pool",
+                "type": "STATIC",
+                "connect_timeout": "2s",
+                "load_balancing_policy": {"policies": [{"typed_extension_config": override_host}]},
+                "load_assignment": {
+                    "cluster_name": "inference_pool",
+                    "endpoints": [{"lb_endpoints": members}],
+                },
+            }
+        )
+        listener = cfg["static_resources"]["listeners"][0]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        route["retry_policy"] = {
+            "retry_on": "retriable-status-codes",
+            "num_retries": 2,
+            "retriable_status_codes": [529],
+        }
+
+    return tweak
+
+
+DESTINATION = "x-gateway-destination-endpoint"
+OVERRIDE_HOST = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+)
+ROUND_ROBIN = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+)
