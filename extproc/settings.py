@@ -491,8 +491,8 @@ class Settings(BaseSettings):
         "listen",
         "with --protocol epp: free endpoints listed after the pick (comma-separated, in the "
         "header and the metadata alike) for the proxy to retry on. Envoy's ORIGINAL_DST "
-        "cluster, as Kubernetes gateways wire it, reads one address and fails on a list: "
-        "raise it only for a proxy that takes the list. Default: 0",
+        "cluster keyed on the header (Envoy AI Gateway's wiring) reads one address and fails "
+        "on a list: raise it only for a proxy that takes the list. Default: 0",
         metavar="N",
         expected="a whole number 0-16",
         ge=0,
