@@ -20,17 +20,18 @@ from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, ClassTable
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
-from extproc.core.scheduling import Scheduler
+from extproc.core.scheduling import MAX_FALLBACKS, Scheduler
 from extproc.events.curve import REFUSED_REASONS, CurveClient, CurveServer, load_key_pair
 from extproc.events.replica import ReplicaPublisher
 from extproc.events.subscriber import EventBindError, EventSubscriber
-from extproc.handlers.processor import PROCESS_PATH, ExtProcHandler
+from extproc.handlers.processor import PROCESS_PATH, SERVICE_NAME, ExtProcHandler
 from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
 from extproc.openai.request import PromptTokenizer
 from extproc.settings import Settings, all_startup_warnings, load_class_table
 from extproc.transport.grpcio import GrpcioServer
 from extproc.transport.h2server import GrpcServer
+from extproc.transport.health import StatusOf, health_methods
 
 log = logging.getLogger("extproc")
 
@@ -98,6 +99,21 @@ async def _sweep(pool: WorkerPool, peers: PeerEstimates | None, interval: float)
         if peers is not None:
             for rid in peers.expire():
                 log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
+
+
+def _health_status(readiness: Readiness) -> StatusOf:
+    """The gRPC health services: ``liveness`` (the process answers), and ``readiness``,
+    the ext_proc service and the whole server (``""``), serving while ``/ready`` says so
+    (the names the Endpoint Picker protocol asks for)."""
+
+    def status_of(service: str) -> bool | None:
+        if service == "liveness":
+            return True
+        if service in ("readiness", SERVICE_NAME, ""):
+            return readiness.ready
+        return None
+
+    return status_of
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -197,13 +213,19 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         raise StartupError(2, str(exc)) from None
     handler = ExtProcHandler(
         pool,
-        Scheduler(pool, settings.router_mode, queue_threshold=settings.router_queue_threshold),
+        Scheduler(
+            pool,
+            settings.router_mode,
+            queue_threshold=settings.router_queue_threshold,
+            max_fallbacks=settings.epp_fallbacks if settings.protocol == "epp" else MAX_FALLBACKS,
+        ),
         metrics,
         overload_status=settings.overload_status,
         worker_busy_statuses=settings.worker_busy_statuses,
         queue=queue,
         tokenizer=tokenizer,
         classes=classes,
+        protocol=settings.protocol,
     )
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:
@@ -227,11 +249,12 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         if stop.is_set():
             return
         log.info("%d worker(s) known after the startup grace", len(pool.workers))
+    health = _health_status(readiness)
     server: GrpcServer | GrpcioServer
     if settings.grpc_server == "grpcio":
-        server = GrpcioServer(PROCESS_PATH, handler.open_session)
+        server = GrpcioServer(PROCESS_PATH, handler.open_session, health)
     else:
-        server = GrpcServer(PROCESS_PATH, handler.open_session)
+        server = GrpcServer(PROCESS_PATH, handler.open_session, methods=health_methods(health))
     try:
         await server.start(settings.grpc_host, settings.grpc_port)
     except (OSError, RuntimeError) as exc:
@@ -246,11 +269,12 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     sweeper = asyncio.create_task(_sweep(pool, peers, interval))
     parts.callback(sweeper.cancel)
     log.info(
-        "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
-        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; worker busy "
-        "statuses %s; replica %s%s",
+        "serving ext_proc on %s (%s server), %s protocol, admin on http://%s:%s, events on %s; "
+        "router mode %s; thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; "
+        "worker busy statuses %s; replica %s%s",
         address,
         settings.grpc_server,
+        settings.protocol,
         settings.admin_host,
         settings.admin_port,
         ", ".join(subscriber.endpoints + settings.event_connect),

@@ -46,10 +46,12 @@ from extproc.openai.errors import (
 
 RouterMode = Literal["kv", "round-robin", "random"]
 GrpcServerKind = Literal["builtin", "grpcio"]
+Protocol = Literal["envoy", "epp"]
 AdmissionControl = Literal["none", "token-capacity"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 GRPC_SERVERS: tuple[str, ...] = get_args(GrpcServerKind)
 ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
+PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 ADMISSION_CONTROL_CHOICES: tuple[str, ...] = get_args(AdmissionControl)
 _DISABLED = ("", "none", "None")
 _INT = re.compile(r"^\+?[0-9]+$")
@@ -469,6 +471,32 @@ class Settings(BaseSettings):
         "request); grpcio = grpcio's asyncio server. Default: builtin",
         metavar="{builtin,grpcio}",
         expected=f"one of {', '.join(GRPC_SERVERS)}",
+    )
+    protocol: Annotated[Protocol, BeforeValidator(_lower)] = setting(
+        "envoy",
+        "--protocol",
+        "EXTPROC_PROTOCOL",
+        "listen",
+        "what the ext_proc replies speak: envoy = the shipped Envoy configs (override_host "
+        "or ORIGINAL_DST); epp = the Gateway API Inference Extension's Endpoint Picker "
+        "protocol, for Kubernetes gateways (honours the proxy's endpoint subset hint). "
+        "Default: envoy",
+        metavar="{envoy,epp}",
+        expected=f"one of {', '.join(PROTOCOLS)}",
+    )
+    epp_fallbacks: Annotated[int, BeforeValidator(_whole)] = setting(
+        0,
+        "--epp-fallbacks",
+        "EXTPROC_EPP_FALLBACKS",
+        "listen",
+        "with --protocol epp: free endpoints listed after the pick (comma-separated, in the "
+        "header and the metadata alike) for the proxy to retry on. Envoy's ORIGINAL_DST "
+        "cluster keyed on the header (Envoy AI Gateway's wiring) reads one address and fails "
+        "on a list: raise it only for a proxy that takes the list. Default: 0",
+        metavar="N",
+        expected="a whole number 0-16",
+        ge=0,
+        le=16,
     )
     admin_host: str = setting(
         "127.0.0.1",

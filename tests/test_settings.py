@@ -125,6 +125,11 @@ def test_values_parse() -> None:
         (["--grpc-port", "70000"], {}, "--grpc-port"),
         (["--grpc-server", "h2o"], {}, "--grpc-server"),
         ([], {"EXTPROC_GRPC_SERVER": "nghttp2"}, "'nghttp2'"),
+        (["--protocol", "gie"], {}, "--protocol"),
+        ([], {"EXTPROC_PROTOCOL": "xds"}, "EXTPROC_PROTOCOL"),
+        (["--epp-fallbacks", "-1"], {}, "--epp-fallbacks"),
+        ([], {"EXTPROC_EPP_FALLBACKS": "two"}, "'two'"),
+        (["--epp-fallbacks", "17"], {}, "--epp-fallbacks"),
         (["--worker-allow", "not-a-cidr"], {}, "not-a-cidr"),
         (["--event-bind", "127.0.0.1:5557"], {}, "--event-bind"),
         ([], {"DYN_ROUTER_TRACK_OUTPUT_BLOCKS": "maybe"}, "DYN_ROUTER_TRACK_OUTPUT_BLOCKS"),
@@ -136,6 +141,28 @@ def test_invalid_values_are_errors_naming_flag_and_value(
     with pytest.raises(SettingsError) as exc:
         load_settings(argv, env)
     assert names in str(exc.value)
+
+
+def test_protocol_and_epp_fallbacks() -> None:
+    default = load_settings([], {})
+    assert (default.protocol, default.epp_fallbacks) == ("envoy", 0)
+    assert load_settings([], {"EXTPROC_PROTOCOL": " EPP "}).protocol == "epp"
+    both = load_settings(
+        ["--protocol", "envoy", "--epp-fallbacks", "2"], {"EXTPROC_PROTOCOL": "epp"}
+    )
+    assert (both.protocol, both.epp_fallbacks) == ("envoy", 2)
+
+
+def test_an_unknown_protocol_exits_2_naming_flag_value_and_choices() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "extproc", "--protocol", "gie"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--protocol" in proc.stderr and "'gie'" in proc.stderr
+    assert "envoy, epp" in proc.stderr
 
 
 def test_invalid_value_exits_2_with_message() -> None:

@@ -438,6 +438,11 @@ class WorkerPool:
         for worker in self.workers.values():
             self._recompute_limits(worker)
 
+    def adopt(self, worker: Worker) -> None:
+        """Build the busy limits of a worker this pool does not list (one known only from
+        a gateway's endpoint subset) from its model's thresholds and the shares."""
+        self._recompute_limits(worker)
+
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(
             self.thresholds_for(worker.model),

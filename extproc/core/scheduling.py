@@ -17,11 +17,13 @@ worker of every model busy. Otherwise the decision is :data:`DEFERRED`: read the
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, overload
 
 from extproc.core.pool import Rank, Ticket, Worker, WorkerPool
+from extproc.core.subset import GatewayWorkers
 
 # Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
 MAX_FALLBACKS = 2
@@ -40,11 +42,20 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """Send the request to ``ticket.worker``; ``fallbacks`` are endpoints to retry on."""
+    """Send the request to ``ticket.worker``; ``fallbacks`` are endpoints to retry on.
+
+    ``endpoint``: the address to send it to when it is not the worker's announced one (a
+    gateway's subset names the pod's address, :mod:`extproc.core.subset`)."""
 
     ticket: Ticket
     fallbacks: tuple[str, ...]
+    endpoint: str = ""
     outcome: ClassVar[Outcome] = Outcome.ROUTED
+
+    @property
+    def address(self) -> str:
+        """Where the request goes: ``endpoint``, else the worker's announced endpoint."""
+        return self.endpoint or self.ticket.worker.endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +134,27 @@ class Scheduler:
         self.max_fallbacks = max_fallbacks
         self._turn = 0
         self._rng = rng or random.Random()
+        self.gateway = GatewayWorkers(pool)
 
     @overload
     def decide(
-        self, model: str, prompt_tokens: int, variant: int = 0, *, waiting: bool = False
+        self,
+        model: str,
+        prompt_tokens: int,
+        variant: int = 0,
+        *,
+        waiting: bool = False,
+        subset: Sequence[str] | None = None,
     ) -> Decision: ...
     @overload
     def decide(
-        self, model: None, prompt_tokens: int = 0, variant: int = 0, *, waiting: bool = False
+        self,
+        model: None,
+        prompt_tokens: int = 0,
+        variant: int = 0,
+        *,
+        waiting: bool = False,
+        subset: Sequence[str] | None = None,
     ) -> Rejected | Deferred: ...
     def decide(
         self,
@@ -139,6 +163,7 @@ class Scheduler:
         variant: int = 0,
         *,
         waiting: bool = False,
+        subset: Sequence[str] | None = None,
     ) -> Decision | Deferred:
         """The decision for one request of ``model`` under class variant ``variant`` (an
         index of the pool's shares; 0 = the default class); a routed one is dispatched.
@@ -146,14 +171,27 @@ class Scheduler:
         ``waiting``: requests of the model already wait in the router queue, so this one
         joins them (QUEUED, no overtaking). ``model=None``: the model is not known yet
         (:meth:`_before_the_model`; ``waiting`` then means requests of any model wait).
+        ``subset``: the only addresses the request may go to (a gateway's endpoint subset,
+        :mod:`extproc.core.subset`); empty, or none of them a candidate: NO_WORKERS.
         """
+        if subset is not None and not subset:
+            return NO_WORKERS
         if model is None:
-            return self._before_the_model(variant, waiting)
+            return DEFERRED if subset else self._before_the_model(variant, waiting)
         if waiting:
             return QUEUED
-        workers = self.pool.by_model.get(model)
-        if not workers:
-            return MODEL_NOT_FOUND if self.pool.by_model else NO_WORKERS
+        address: Mapping[Worker, str] | None = None
+        if subset:
+            if model not in self.pool.by_model and self.pool.by_model:
+                return MODEL_NOT_FOUND
+            address = self.gateway.members(model, subset)
+            workers = list(address)
+            if not workers:
+                return NO_WORKERS
+        else:
+            workers = self.pool.by_model.get(model) or []
+            if not workers:
+                return MODEL_NOT_FOUND if self.pool.by_model else NO_WORKERS
         picked = self._pick(workers, variant)
         if picked is None:
             return self._overloaded(model, workers, variant)
@@ -161,7 +199,10 @@ class Scheduler:
             return QUEUED
         worker, rank = picked
         ticket = self.pool.dispatch(worker, rank, prompt_tokens)
-        return Routed(ticket, self._fallbacks(workers, worker, variant))
+        fallbacks = self._fallbacks(workers, worker, variant, address)
+        if address is None:
+            return Routed(ticket, fallbacks)
+        return Routed(ticket, fallbacks, address[worker])
 
     def _before_the_model(self, variant: int, waiting: bool) -> Rejected | Deferred:
         """The answer that cannot depend on the model, or DEFERRED.
@@ -261,8 +302,15 @@ class Scheduler:
             return QUEUED
         return best, best_rank
 
-    def _fallbacks(self, workers: list[Worker], chosen: Worker, variant: int) -> tuple[str, ...]:
-        """Endpoints of up to ``max_fallbacks`` other free workers, for retries."""
+    def _fallbacks(
+        self,
+        workers: list[Worker],
+        chosen: Worker,
+        variant: int,
+        address: Mapping[Worker, str] | None = None,
+    ) -> tuple[str, ...]:
+        """Endpoints of up to ``max_fallbacks`` other free workers, for retries (their
+        ``address`` when given, else their announced endpoints)."""
         limit = self.max_fallbacks
         if len(workers) < 2 or limit <= 0:
             return ()
@@ -270,12 +318,14 @@ class Scheduler:
         out: list[str] = []
         n = len(workers)
         start = self._turn % n
+        picked = chosen.endpoint if address is None else address[chosen]
         for i in range(n):
             w = workers[(start + i) % n]
-            if w is chosen or w.endpoint == chosen.endpoint or not w.free_for(variant, now):
+            if w is chosen or not w.free_for(variant, now):
                 continue
-            if w.endpoint not in out:
-                out.append(w.endpoint)
+            endpoint = w.endpoint if address is None else address[w]
+            if endpoint != picked and endpoint not in out:
+                out.append(endpoint)
                 if len(out) == limit:
                     break
         return tuple(out)

@@ -355,6 +355,8 @@ def render_envoy_config(
     listener["address"]["socket_address"]["port_value"] = listen_port
     for cluster in cfg["static_resources"]["clusters"]:
         name = cluster["name"]
+        if "load_assignment" not in cluster:
+            continue  # ORIGINAL_DST: no member list (envoy-epp.yaml)
         eps = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
         if name == "extproc":
             eps[0]["endpoint"]["address"]["socket_address"]["port_value"] = extproc.grpc_port

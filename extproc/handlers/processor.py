@@ -15,9 +15,15 @@ request first. The router's estimate for the request is released when the stream
 whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
-(``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
+(``extproc.transport``): ``receive`` answers with reply bytes, a list of them (a
+full-duplex body decided: the headers' reply, then the body sent on), ``None`` (no reply),
 or ``(first, rest)`` when the answer waits in the router queue: ``first`` now, the
 awaited ``rest`` after it.
+
+A filter in FULL_DUPLEX_STREAMED mode (what Kubernetes gateways configure) sends the body
+in chunks without waiting for the headers' reply: the chunks are gathered, the decision is
+made on the whole body, and the headers are answered then; every body chunk, both ways, is
+sent back unchanged as the mode requires.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from extproc.core.scheduling import (
 from extproc.handlers import replies
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
 from extproc.handlers.router_queue import RouterQueue
+from extproc.handlers.subset_hint import SubsetHints
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 from extproc.openai.request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 
@@ -73,8 +80,14 @@ ROUTING_STREAM = 1
 OBSERVER_STREAM = 2
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 _NO_BODY = processing_mode_pb2.ProcessingMode.NONE
-# A reply now, or (first, rest): ``first`` now and the awaited ``rest`` after it.
-Reply = bytes | tuple[bytes, Awaitable[bytes]]
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# The largest request body gathered from a FULL_DUPLEX_STREAMED filter before deciding
+# (a BUFFERED filter has Envoy's own per_connection_buffer_limit_bytes).
+MAX_DUPLEX_BODY = 32 * 1024 * 1024
+# A reply now (one message, or several in order), or (first, rest): ``first`` now and the
+# awaited ``rest`` after it.
+Replies = bytes | list[bytes]
+Reply = Replies | tuple[bytes, Awaitable[Replies]]
 
 
 def _header_value(h: Any) -> str:
@@ -86,6 +99,9 @@ class _Stream:
 
     __slots__ = (
         "body_streamed",
+        "duplex_body",
+        "duplex_request",
+        "duplex_response",
         "endpoint_label",
         "fallbacks",
         "model",
@@ -97,6 +113,7 @@ class _Stream:
         "request_id",
         "stream",
         "streaming",
+        "subset",
         "ticket",
         "variant",
     )
@@ -104,6 +121,12 @@ class _Stream:
     def __init__(self) -> None:
         # The routing filter streams the response body (its protocol_config says so).
         self.body_streamed = False
+        # The filter runs a body in FULL_DUPLEX_STREAMED mode (Kubernetes gateways): the
+        # body comes in chunks whatever the replies, and each chunk is sent back.
+        self.duplex_request = False
+        self.duplex_response = False
+        # The request body gathered so far, while the decision waits for all of it.
+        self.duplex_body: bytearray | None = None
         # An observer stream that receives the response body is paired with this one.
         self.observed = False
         # ROUTING_STREAM or OBSERVER_STREAM once a response-body chunk arrived, else 0.
@@ -120,6 +143,8 @@ class _Stream:
         self.prompt_tokens = 0
         self.request_id: str | None = None
         self.stream = False
+        # The gateway's endpoint subset (Endpoint Picker protocol): None = not given.
+        self.subset: tuple[str, ...] | None = None
         self.ticket: Ticket | None = None
         self.variant = 0
 
@@ -138,6 +163,7 @@ class ExtProcHandler:
         queue: RouterQueue | None = None,
         tokenizer: PromptTokenizer | None = None,
         classes: ClassRegistry | None = None,
+        protocol: str = "envoy",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
@@ -146,7 +172,11 @@ class ExtProcHandler:
         self.tokenizer = tokenizer
         self.queue = queue
         self.clock = clock
-        self.replies = replies.Replies(overload_status, tuple(sorted(worker_busy_statuses)))
+        self.replies = replies.Replies(
+            overload_status, tuple(sorted(worker_busy_statuses)), protocol
+        )
+        # ``epp``: the Endpoint Picker protocol, whose requests may carry a subset hint.
+        self.subset_hints = SubsetHints() if protocol == "epp" else None
         self._busy_statuses = frozenset(worker_busy_statuses)
         # While a request waits in the router queue Envoy must not time the message out.
         self._extend_timeout = replies.extend_timeout(
@@ -175,21 +205,31 @@ class ExtProcHandler:
             return ObserverSession(self)
         return RequestSession(self)
 
-    def _on_message(self, st: _Stream, message: bytes) -> Reply:
-        """One message of a routing stream: its reply (deferred while it waits in the queue)."""
+    def _on_message(self, st: _Stream, message: bytes) -> Reply | None:
+        """One message of a routing stream: its reply (deferred while it waits in the
+        queue; none while a full-duplex body is gathered)."""
         req = ep.ProcessingRequest.FromString(message)
         kind = req.WhichOneof("request")
         try:
             if kind == "request_body":
+                if st.duplex_request:
+                    return self._on_duplex_request_body(st, req.request_body)
                 return self._on_request_body(st, req.request_body)
             if kind == "request_headers":
                 if req.HasField("protocol_config"):  # the first message of the stream
-                    st.body_streamed = req.protocol_config.response_body_mode == _STREAMED
+                    config = req.protocol_config
+                    st.body_streamed = config.response_body_mode == _STREAMED
+                    st.duplex_request = config.request_body_mode == _FULL_DUPLEX
+                    st.duplex_response = config.response_body_mode == _FULL_DUPLEX
+                if st.duplex_request:
+                    return self._on_duplex_request_headers(st, req)
                 return self._on_request_headers(st, req)
             if kind == "response_headers":
                 return self._on_response_headers(st, req.response_headers)
             if kind == "response_body":
                 return self._on_response_body(st, req.response_body)
+            if kind == "request_trailers" and st.duplex_body is not None:
+                return self._duplex_decide(st, [replies.CONTINUES["request_trailers"]])
             if kind == "response_trailers" and st.ticket is not None:
                 self.pool.release(st.ticket)  # the response is over
             return replies.CONTINUES.get(kind or "", replies.CONTINUE_REQUEST_HEADERS)
@@ -197,11 +237,16 @@ class ExtProcHandler:
             log.exception("error handling ext_proc %s message", kind)
             if kind and kind.startswith("request"):
                 return replies.INTERNAL_ERROR
+            if kind == "response_body" and st.duplex_response:  # the chunk must go on
+                body = req.response_body
+                return replies.streamed_body(kind, body.body, body.end_of_stream)
             return replies.CONTINUES.get(kind or "", replies.CONTINUE_RESPONSE_HEADERS)
 
     def _on_stream_end(self, st: _Stream) -> None:
         if st.ticket is not None:
-            if st.streaming and not (st.output_source or st.observed or st.body_streamed):
+            if st.streaming and not (
+                st.output_source or st.observed or st.body_streamed or st.duplex_response
+            ):
                 self._output_unobserved()
             self.pool.release(st.ticket)
         if st.request_id is not None:
@@ -251,6 +296,12 @@ class ExtProcHandler:
         if msg.end_of_stream:
             return self._bad_request("Request body is empty; expected a JSON object")
         meta = req.metadata_context.filter_metadata
+        hints = self.subset_hints
+        if hints is not None:
+            malformed = hints.malformed
+            st.subset = hints.read(meta)
+            if hints.malformed != malformed:
+                self.metrics.subset_hint_malformed.inc()
         if REQUEST_NAMESPACE in meta:
             # The prefix reader ran: "model" is what it read ("" when the body does not
             # start with it; then the body decides, so a malformed one is still a 400).
@@ -271,6 +322,59 @@ class ExtProcHandler:
         # yet, or a tokenizer counts the prompt).
         return replies.SEND_BODY_STREAMED if st.body_streamed else replies.SEND_BODY
 
+    # ----- FULL_DUPLEX_STREAMED request bodies (Kubernetes gateways' default) ----------
+
+    def _on_duplex_request_headers(self, st: _Stream, req: ep.ProcessingRequest) -> Reply | None:
+        """The headers of a request whose body streams in full duplex: when the body
+        decides, the headers are answered once it is all in (nothing now); else as usual."""
+        reply = self._on_request_headers(st, req)
+        if reply is replies.SEND_BODY or reply is replies.SEND_BODY_STREAMED:
+            st.duplex_body = bytearray()
+            return None
+        if reply is replies.PASSTHROUGH:
+            return replies.PASSTHROUGH_DUPLEX  # no mode override in this mode
+        return reply
+
+    def _on_duplex_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply | None:
+        """A chunk of a full-duplex request body: gathered until the last one, then the
+        decision; once the headers are answered, sent on as it came."""
+        gathered = st.duplex_body
+        if gathered is None:
+            return replies.streamed_body("request_body", msg.body, msg.end_of_stream)
+        gathered += msg.body
+        if len(gathered) > MAX_DUPLEX_BODY:
+            st.duplex_body = None
+            return self._bad_request(
+                f"Request body is larger than {MAX_DUPLEX_BODY} bytes; expected at most that"
+            )
+        if not msg.end_of_stream:
+            return None
+        return self._duplex_decide(st)
+
+    def _duplex_decide(self, st: _Stream, after: list[bytes] | None = None) -> Reply:
+        """Decide on the gathered body. Routed: the headers reply (the destination), then
+        the body sent on, then ``after`` (the trailers' reply when trailers ended the
+        body); anything else is the one local reply."""
+        assert st.duplex_body is not None
+        body = bytes(st.duplex_body)
+        st.duplex_body = None
+        reply = self._on_request_body(st, ep.HttpBody(body=body, end_of_stream=True))
+        forward = [replies.streamed_body("request_body", body, after is None), *(after or ())]
+        if isinstance(reply, tuple):
+            first, rest = reply
+            return first, self._then_forward(st, rest, forward)
+        return self._with_forward(st, reply, forward)
+
+    def _with_forward(self, st: _Stream, reply: Replies, forward: list[bytes]) -> Replies:
+        if st.ticket is None or not isinstance(reply, bytes):
+            return reply
+        return [reply, *forward]
+
+    async def _then_forward(
+        self, st: _Stream, rest: Awaitable[Replies], forward: list[bytes]
+    ) -> Replies:
+        return self._with_forward(st, await rest, forward)
+
     def _decide_before_the_model(self, st: _Stream) -> bytes | None:
         """The reply when it cannot depend on the body, before Envoy sends the body; None
         when the body decides.
@@ -284,7 +388,7 @@ class ExtProcHandler:
         """
         queue = self.queue
         waiting = queue is not None and any(queue.waiting(m) for m in self.pool.by_model)
-        decision = self.scheduler.decide(None, 0, st.variant, waiting=waiting)
+        decision = self.scheduler.decide(None, 0, st.variant, waiting=waiting, subset=st.subset)
         if isinstance(decision, Deferred):
             return None
         st.model = decision.model  # one decision per stream: a later body is not decided
@@ -315,7 +419,9 @@ class ExtProcHandler:
             st.variant = self._classes.variant(st.request_class, prompt_tokens)
         queue = self.queue
         waiting = queue is not None and queue.waiting(model)
-        decision = self.scheduler.decide(model, prompt_tokens, st.variant, waiting=waiting)
+        decision = self.scheduler.decide(
+            model, prompt_tokens, st.variant, waiting=waiting, subset=st.subset
+        )
         reply: Reply
         if type(decision) is Queued and queue is not None:
             reply = (self._extend_timeout, self._wait_in_queue(st))
@@ -341,19 +447,22 @@ class ExtProcHandler:
 
     def _attempt(self, st: _Stream) -> Routed | Rejected | None:
         """The head of the queue decides again (it is the one waiting: no FIFO check)."""
-        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant)
+        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant, subset=st.subset)
         return None if isinstance(decision, Queued) else decision
 
     def _reply(self, st: _Stream, decision: Decision) -> bytes:
         """Map a decision to its pre-serialized reply and count it."""
         self.metrics.outcome[decision.outcome.value].inc()
         if type(decision) is Routed:
-            ticket = st.ticket = decision.ticket
+            st.ticket = decision.ticket
             st.fallbacks = decision.fallbacks
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
-            return self.replies.route(ticket.worker.endpoint, decision.fallbacks, st.phase)
+            # A full-duplex body is decided before the headers are answered: the headers
+            # reply carries the destination.
+            phase = "request_headers" if st.duplex_request else st.phase
+            return self.replies.route(decision.address, decision.fallbacks, phase)
         assert type(decision) is Rejected
         if decision.outcome is Outcome.OVERLOADED:
             self.metrics.rejections.labels(st.model, st.endpoint_label).inc()
@@ -468,7 +577,7 @@ class ExtProcHandler:
         """A streamed 2xx response began. Without a stream that delivers its body, prefill
         is over now; with one, at the first generated token."""
         st.streaming = True
-        if not (self._observed or st.body_streamed):
+        if not (self._observed or st.body_streamed or st.duplex_response):
             self.pool.prefill_done(ticket)
 
     def _output_unobserved(self) -> None:
@@ -494,6 +603,8 @@ class ExtProcHandler:
             self._count_output(st, msg.body, ROUTING_STREAM)
             if msg.end_of_stream:
                 self.pool.release(ticket)
+        if st.duplex_response:
+            return replies.streamed_body("response_body", msg.body, msg.end_of_stream)
         return replies.CONTINUE_RESPONSE_BODY
 
     def _count_output(self, st: _Stream, body: bytes, source: int) -> None:
@@ -553,7 +664,7 @@ class RequestSession:
         self.st = _Stream()
         self.closed = False
 
-    def receive(self, message: bytes) -> Reply:
+    def receive(self, message: bytes) -> Reply | None:
         return self.handler._on_message(self.st, message)
 
     def close(self) -> None:

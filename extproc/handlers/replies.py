@@ -118,6 +118,39 @@ def routing_reply(
     )
 
 
+def epp_routing_reply(
+    endpoint: str, fallbacks: tuple[str, ...] = (), phase: str = "request_body"
+) -> bytes:
+    """Continue upstream to ``endpoint`` as the Endpoint Picker protocol says: the same
+    value, the pick then ``fallbacks`` comma-separated, in the request header and in the
+    envoy.lb dynamic metadata (the protocol forbids them to differ), with the route cache
+    cleared as the reference picker does, for routes that match on the header. Retries
+    are the gateway's: no ``x-envoy-*`` header is set."""
+    value = ",".join((endpoint, *fallbacks))
+    meta = struct_pb2.Struct()
+    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(
+                    header=_header(DESTINATION_HEADER, value), append_action=overwrite
+                )
+            ]
+        ),
+        clear_route_cache=True,
+    )
+    if phase == "request_headers":
+        return _serialize(
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=meta
+            )
+        )
+    return _serialize(
+        ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=meta)
+    )
+
+
 def extend_timeout(seconds: int) -> bytes:
     """Tell Envoy to wait ``seconds`` for the next reply (a request in the router queue)."""
     return _serialize(
@@ -208,6 +241,32 @@ PASSTHROUGH = _serialize(
         ),
     )
 )
+# The same for a filter in FULL_DUPLEX_STREAMED mode, which takes no mode override: the
+# body then comes through the stream and is sent back (streamed_body).
+PASSTHROUGH_DUPLEX = _serialize(
+    ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+            )
+        )
+    )
+)
+
+
+def streamed_body(kind: str, body: bytes, end_of_stream: bool) -> bytes:
+    """Send ``body`` on, unchanged, as a FULL_DUPLEX_STREAMED filter expects it back: the
+    reply to a ``request_body`` or ``response_body`` message (``kind``)."""
+    common = ep.CommonResponse(
+        body_mutation=ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+        )
+    )
+    if kind == "request_body":
+        return _serialize(ep.ProcessingResponse(request_body=ep.BodyResponse(response=common)))
+    return _serialize(ep.ProcessingResponse(response_body=ep.BodyResponse(response=common)))
+
+
 NO_WORKERS = immediate(503, error_body("Service temporarily unavailable", 503))
 MODEL_NOT_FOUND = immediate(404, error_body("Model not found", 404))
 INTERNAL_ERROR = immediate(
@@ -223,9 +282,12 @@ def bad_request(message: str) -> bytes:
 class Replies:
     """The replies that depend on settings or state, each serialized once."""
 
-    def __init__(self, overload_status: int, busy_statuses: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, overload_status: int, busy_statuses: tuple[int, ...] = (), protocol: str = "envoy"
+    ) -> None:
         self.overload_status = overload_status
         self.busy_statuses = busy_statuses
+        self.protocol = protocol
         self._overloads: dict[tuple[int, int, str, str], bytes] = {}
         self._routes: dict[tuple[str, ...], bytes] = {}
         self._models: tuple[tuple[str, ...], bytes] | None = None
@@ -259,15 +321,18 @@ class Replies:
     def route(
         self, endpoint: str, fallbacks: tuple[str, ...], phase: str = "request_body"
     ) -> bytes:
-        """The routing reply to ``endpoint`` with ``fallbacks``, cached per combination."""
+        """The routing reply to ``endpoint`` with ``fallbacks`` in the protocol spoken
+        (``envoy`` or ``epp``), cached per combination."""
         key = (phase, endpoint, *fallbacks)
         reply = self._routes.get(key)
         if reply is None:
             if len(self._routes) >= ROUTE_CACHE:
                 self._routes.clear()
-            reply = self._routes[key] = routing_reply(
-                endpoint, fallbacks, phase, self.busy_statuses
-            )
+            if self.protocol == "epp":
+                reply = epp_routing_reply(endpoint, fallbacks, phase)
+            else:
+                reply = routing_reply(endpoint, fallbacks, phase, self.busy_statuses)
+            self._routes[key] = reply
         return reply
 
     def models(self, models: tuple[str, ...]) -> bytes:

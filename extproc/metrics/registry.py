@@ -97,6 +97,12 @@ class Metrics:
             "Requests that named a class that is not configured (decided as the default).",
             registry=r,
         )
+        self.subset_hint_malformed = Counter(
+            "extproc_subset_hint_malformed",
+            "Requests whose endpoint subset hint was not a list or string of ip:port "
+            "(decided as if none were given; --protocol epp).",
+            registry=r,
+        )
         self.decisions = Counter(
             "extproc_decisions", "Routing decisions by outcome.", ["outcome"], registry=r
         )

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from extproc.transport.session import SessionFactory
+from extproc.transport.health import HEALTH_CHECK_PATH, StatusOf, check
+from extproc.transport.session import SessionFactory, StatusError
 
 # Envoy pings its HTTP/2 upstreams (connection_keepalive); grpc-python's defaults
 # answer frequent pings on idle connections with GOAWAY "too_many_pings".
@@ -27,25 +28,42 @@ GRPC_SERVER_OPTIONS = [
 ]
 
 
+# grpcio's status codes by number.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class GrpcioServer:
     """grpcio's asyncio server behind the builtin server's start/stop shape."""
 
-    def __init__(self, path: str, factory: SessionFactory) -> None:
+    def __init__(self, path: str, factory: SessionFactory, health: StatusOf | None = None) -> None:
+        """``health``: also answer ``grpc.health.v1.Health/Check`` (:mod:`.health`)."""
         service, _, method = path.strip("/").rpartition("/")
         self.factory = factory
+        self.health = health
         self.server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-        self.server.add_generic_rpc_handlers(
-            (
+        handlers = [
+            grpc.method_handlers_generic_handler(
+                service,
+                {
+                    method: grpc.stream_stream_rpc_method_handler(
+                        self.process, request_deserializer=None, response_serializer=None
+                    )
+                },
+            )
+        ]
+        if health is not None:
+            health_service, _, check_method = HEALTH_CHECK_PATH.strip("/").rpartition("/")
+            handlers.append(
                 grpc.method_handlers_generic_handler(
-                    service,
+                    health_service,
                     {
-                        method: grpc.stream_stream_rpc_method_handler(
-                            self.process, request_deserializer=None, response_serializer=None
+                        check_method: grpc.unary_unary_rpc_method_handler(
+                            self.check, request_deserializer=None, response_serializer=None
                         )
                     },
-                ),
+                )
             )
-        )
+        self.server.add_generic_rpc_handlers(tuple(handlers))
 
     async def start(self, host: str, port: int) -> None:
         self.server.add_insecure_port(f"{host}:{port}")
@@ -53,6 +71,14 @@ class GrpcioServer:
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace=grace)
+
+    async def check(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        assert self.health is not None
+        try:
+            return check(request, self.health)
+        except StatusError as exc:
+            await context.abort(_CODES[exc.code], exc.message)
+            raise  # abort raises; never reached
 
     async def process(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -67,6 +93,10 @@ class GrpcioServer:
                     first, rest = reply
                     yield first
                     reply = await rest
-                yield reply
+                if isinstance(reply, list):
+                    for one in reply:
+                        yield one
+                else:
+                    yield reply
         finally:
             session.close()

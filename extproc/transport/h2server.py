@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Mapping
 
 from extproc.transport.h2.connection import H2Connection
 from extproc.transport.session import SessionFactory
@@ -34,9 +35,13 @@ class GrpcServer:
         *,
         keepalive_time: float = 30.0,
         keepalive_timeout: float = 10.0,
+        methods: Mapping[str, SessionFactory] | None = None,
     ) -> None:
         self.path = path
         self.factory = factory
+        # Every method served, by path: ``path`` and the ``methods`` given besides it (each
+        # call of one is a stream whose messages go to a session, like the main one's).
+        self.methods: dict[str, SessionFactory] = {**(methods or {}), path: factory}
         self.keepalive_time = keepalive_time
         self.keepalive_timeout = keepalive_timeout
         self.keepalive_check = min(keepalive_time, keepalive_timeout) / 2

@@ -25,11 +25,13 @@ def _hcm(config: Path) -> dict[str, Any]:
     return hcm["typed_config"]
 
 
-# The configs with the ext_proc filter (envoy-front.yaml only spreads the load).
+# The configs with the ext_proc filter (envoy-front.yaml only spreads the load), but for
+# envoy-epp.yaml: it is what a Kubernetes gateway generates, where the gateway's own route
+# filters would set a class header.
 CONFIGS = sorted(
     p
     for p in (ROOT / "envoy").glob("*.y*ml")
-    if any(f["name"] == EXT_PROC for f in _hcm(p)["http_filters"])
+    if any(f["name"] == EXT_PROC for f in _hcm(p)["http_filters"]) and p.name != "envoy-epp.yaml"
 )
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import ROOT, envoy_binary
-from tests.support.envoy_wirings import http_filters, stream_response_body
+from tests.support.envoy_wirings import (
+    full_duplex,
+    gateway_subset_hint,
+    http_filters,
+    stream_response_body,
+)
 
 CONFIGS = sorted(p for p in (ROOT / "envoy").glob("*.y*ml"))
 
@@ -88,3 +93,36 @@ def test_track_output_config_is_envoy_yaml_plus_the_observer() -> None:
     assert observer["typed_config"]["observability_mode"] is True
     assert observer["typed_config"]["processing_mode"]["response_body_mode"] == "STREAMED"
     assert _strip_observer(track) == base
+
+
+def test_the_gateway_wirings_validate(tmp_path: Path) -> None:
+    """envoy-epp.yaml as the integration tests run it: the subset-hint writer and access log
+    in front, and the full-duplex body modes."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "envoy" / "envoy-epp.yaml").read_text())
+    gateway_subset_hint(str(tmp_path / "access.log"))(cfg)
+    full_duplex(cfg)
+    main = next(f for f in http_filters(cfg) if f["name"] == "envoy.filters.http.ext_proc")
+    assert main["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert http_filters(cfg)[0]["name"] == "envoy.filters.http.lua"
+    config = tmp_path / "envoy-epp-duplex.json"
+    config.write_text(json.dumps(cfg))
+    _validate(config)
+
+
+def test_envoy_epp_is_wired_as_a_gateway_wires_an_endpoint_picker() -> None:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "envoy" / "envoy-epp.yaml").read_text())
+    main = next(f for f in http_filters(cfg) if f["name"] == "envoy.filters.http.ext_proc")
+    ext = main["typed_config"]
+    assert ext["failure_mode_allow"] is False
+    assert ext["allow_mode_override"] is False
+    assert ext["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb.subset_hint"]
+    (pool,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "inference_pool"]
+    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pool["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }

@@ -66,7 +66,7 @@ from extproc.transport.h2.grpc_wire import (
     grpc_trailers,
 )
 from extproc.transport.h2.headers import MAX_HEADER_LIST, HeaderBlocks
-from extproc.transport.session import Session
+from extproc.transport.session import Session, StatusError
 
 if TYPE_CHECKING:
     from extproc.transport.h2server import GrpcServer
@@ -115,7 +115,7 @@ class _Stream:
         self.inbox = bytearray()  # received bytes not yet a whole message
         self.outbox: collections.deque[bytes] = collections.deque()  # DATA blocked on windows
         self.pending: collections.deque[bytes] = collections.deque()  # behind a deferred reply
-        self.task: asyncio.Task[bytes] | None = None
+        self.task: asyncio.Task[bytes | list[bytes]] | None = None
         self.headers_sent = False
         self.remote_done = False
         self.finish: bytes | None = None  # trailers waiting behind the outbox
@@ -385,7 +385,8 @@ class H2Connection(asyncio.Protocol):
                 self._reset(st, PROTOCOL_ERROR)
                 return
             st.expected = int(length)
-        if metadata.get(":path") != self.server.path or metadata.get(":method") != "POST":
+        factory = self.server.methods.get(metadata.get(":path", ""))
+        if factory is None or metadata.get(":method") != "POST":
             unknown = grpc_trailers(GRPC_UNIMPLEMENTED, f"unknown method {metadata.get(':path')}")
             if metadata.get("content-type", "").startswith("application/grpc"):
                 self._finish(st, unknown)  # a gRPC client hears at once, as from any server
@@ -395,7 +396,7 @@ class H2Connection(asyncio.Protocol):
                     self._on_remote_end(st)
             return
         try:
-            st.session = self.server.factory(metadata)
+            st.session = factory(metadata)
         except Exception:
             log.exception("cannot open an ext_proc stream")
             self._finish(st, grpc_trailers(GRPC_INTERNAL, "extproc error"))
@@ -466,6 +467,9 @@ class H2Connection(asyncio.Protocol):
             return
         try:
             reply = session.receive(message)
+        except StatusError as exc:
+            self._finish(st, grpc_trailers(exc.code, exc.message))
+            return
         except Exception:
             log.exception("error handling an ext_proc message")
             self._finish(st, grpc_trailers(GRPC_INTERNAL, "extproc error"))
@@ -478,9 +482,9 @@ class H2Connection(asyncio.Protocol):
             task = st.task = asyncio.ensure_future(rest)
             task.add_done_callback(functools.partial(self._later_done, st))
             return
-        self._send_message(st, reply)
+        self._send_messages(st, reply)
 
-    def _later_done(self, st: _Stream, task: asyncio.Task[bytes]) -> None:
+    def _later_done(self, st: _Stream, task: asyncio.Task[bytes | list[bytes]]) -> None:
         st.task = None
         if task.cancelled() or self.closed or self.streams.get(st.id) is not st:
             return
@@ -489,7 +493,7 @@ class H2Connection(asyncio.Protocol):
             log.error("error handling an ext_proc message", exc_info=exc)
             self._finish(st, grpc_trailers(GRPC_INTERNAL, "extproc error"))
         else:
-            self._send_message(st, task.result())
+            self._send_messages(st, task.result())
             while st.pending and st.task is None and self.streams.get(st.id) is st:
                 self._deliver(st, st.pending.popleft())
             if st.remote_done and st.task is None and self.streams.get(st.id) is st:
@@ -540,6 +544,13 @@ class H2Connection(asyncio.Protocol):
                 log.exception("error closing an ext_proc stream")
 
     # ----- frames out ------------------------------------------------------------------
+
+    def _send_messages(self, st: _Stream, payload: bytes | list[bytes]) -> None:
+        if isinstance(payload, list):
+            for one in payload:
+                self._send_message(st, one)
+        else:
+            self._send_message(st, payload)
 
     def _send_message(self, st: _Stream, payload: bytes) -> None:
         if not st.headers_sent:
