@@ -581,8 +581,6 @@ def test_the_extproc_accepts_its_settings(
     env = {k: _local(v, mounts) for k, v in _env(container, {}).items()}
     known = {row["env"] for row in TABLE.values()} | {"DYN_HTTP_OVERLOAD_STATUS_CODE"}
     unknown = set(env) - known
-    if unknown == {"EXTPROC_PROTOCOL"}:
-        pytest.xfail("this extproc has no --protocol (EXTPROC_PROTOCOL) yet")
     assert not unknown, f"settings the extproc does not read: {sorted(unknown)}"
     settings = load_settings([], env)
     assert settings.model_dump()["protocol"] == "epp"
