@@ -436,6 +436,8 @@ class Agent:
 
     async def _scrape_failed(self, failure: ScrapeFailed) -> None:
         self.failed_scrapes += 1
+        if failure.kind == "unsupported":
+            return  # logged by _not_supported; the agent is stopping
         now = asyncio.get_running_loop().time()
         if self._down_since is None:
             self._down_since = now
