@@ -64,7 +64,7 @@ reads `/metrics` and `/slots` at each scrape, see :mod:`llmworker.llamacpp`):
 | `config.max_num_batched_tokens` | `--max-num-batched-tokens`; omitted                          |
 | `config.dp_size`                | 1                                                            |
 | `load.active_decode_blocks`     | `ceil(held / block_size)`, held: see (j)                     |
-| `load.active_prefill_tokens`    | `requests_deferred * mean_prompt` + prefilling slots (k)     |
+| `load.active_prefill_tokens`    | prompt left in slots + `requests_deferred * mean_prompt` (k) |
 
 (a) Ranks are numbered 0, 1, ... in ascending label order; a series without
 the label is rank 0; several series of one rank (SGLang prints one per TP/PP
@@ -89,16 +89,17 @@ and the agent's own count (below) is sent.
 blocks of `block_size` tokens, the unit the router uses for its estimate.
 (h) When `num_used_tokens` is absent: `round(token_usage * kv_total_blocks)`.
 (i) llama.cpp has no KV blocks; its context is counted in logical blocks of this size.
-(j) `held` is the sum of `n_prompt_tokens` over the processing slots of `/slots`.
-A slot's `n_prompt_tokens` is the tokens in its context: the prompt processed so
-far plus the tokens generated. An idle slot keeps its last context only as a prompt
-cache, so it is not counted. llama-server prints no KV gauge.
-(k) `mean_prompt`: the mean prompt length (`n_prompt_tokens_processed +
-n_prompt_tokens_cache`) of the slots whose request has produced a token; a slot that
-has generated nothing yet counts `max(0, mean_prompt - n_prompt_tokens)`. 0 when
-nothing waits or prefills; omitted while something does and no slot has finished a
-prompt yet. An engine answering HTTP 501 on `/metrics` (started without `--metrics`)
-or `/slots` (`--no-slots`) stops the agent with exit 2 and the flag to add.
+(j) `held` is the sum of `n_prompt_tokens` over the processing slots of `/slots`:
+the tokens in a slot's context, its request's whole prompt from the start plus the
+tokens generated. An idle slot keeps its last context only as a prompt cache, so it
+is not counted. llama-server prints no KV gauge.
+(k) A slot that has generated nothing yet has `n_prompt_tokens -
+n_prompt_tokens_processed - n_prompt_tokens_cache` left to evaluate (its whole prompt
+is in `n_prompt_tokens` from the start). A deferred request is not tokenized yet: it
+counts `mean_prompt`, the mean prompt length of the processing slots. 0 when nothing
+waits or prefills; omitted while requests are deferred and no slot is processing.
+An engine answering HTTP 501 on `/metrics` (started without `--metrics`) or `/slots`
+(`--no-slots`) stops the agent with exit 2 and the flag to add.
 
 The agent's own count: the prompt tokens (``ceil(UTF-8 bytes / 4)``, as the
 router counts them) of each proxied inference request, from dispatch until the

@@ -103,7 +103,7 @@ def test_idle_slot_keeps_its_context_size_as_the_cache() -> None:
     slots = parse_slots(_read("llamacpp_idle_slots.json"))
     assert slots == (
         Slot(id=0, n_ctx=512, is_processing=False),
-        Slot(id=1, n_ctx=512, is_processing=False, n_tokens=138),
+        Slot(id=1, n_ctx=512, is_processing=False, n_tokens=138),  # stats reset when done
     )
     assert mean_prompt(slots) is None
 
@@ -114,25 +114,29 @@ def _slot(**fields: object) -> dict[str, object]:
 
 
 def test_prefill_of_slots_before_their_first_token() -> None:
-    metrics = _read("llamacpp_busy_metrics.txt").replace(
-        "llamacpp:requests_deferred 1", "llamacpp:requests_deferred 0"
-    )
+    # A slot that took a request has its whole prompt in n_prompt_tokens at once; the
+    # processed count follows when the prefill ends (seen on the real server).
+    metrics = _read("llamacpp_busy_metrics.txt")  # 2 processing, 1 deferred
     decoding = _slot(
         id=0,
         n_prompt_tokens=210,
-        n_prompt_tokens_processed=200,
-        n_prompt_tokens_cache=0,
+        n_prompt_tokens_processed=180,
+        n_prompt_tokens_cache=20,
         next_token=[{"n_decoded": 10}],
     )
-    starting = _slot(id=1, n_prompt_tokens=50, next_token=[{"n_decoded": 0}])
+    starting = _slot(id=1, n_prompt_tokens=328, next_token=[{"n_decoded": 0}])
     rank = parse_llamacpp(metrics, json.dumps([decoding, starting])).ranks[0]
-    # The starting slot has 50 tokens in context and the mean prompt is 200: 150 to go.
-    assert (rank.prefill_tokens, rank.num_waiting, rank.kv_used_tokens) == (150, 1, 260)
-    # No request has produced a token yet: the prefill is not known, so not reported.
-    unknown = parse_llamacpp(metrics, json.dumps([starting])).ranks[0]
+    # 328 still to evaluate, and the deferred request counts the mean prompt (200 + 328) / 2.
+    assert rank.avg_prompt_tokens == 264.0
+    assert (rank.prefill_tokens, rank.num_waiting, rank.kv_used_tokens) == (328 + 264, 2, 538)
+    reused = _slot(id=1, n_prompt_tokens=328, n_prompt_tokens_cache=300)
+    assert parse_slots(json.dumps([reused]))[0].prefill_left == 28
+    # Deferred requests and no slot processing: no prompt length known, not reported.
+    idle = json.dumps([_slot(is_processing=False)])
+    unknown = parse_llamacpp(metrics, idle).ranks[0]
     assert unknown.prefill_tokens is None
     assert worker_view(EngineSnapshot("llamacpp", (unknown,)), _settings()).loads[0] == RankLoad(
-        active_decode_blocks=4, active_prefill_tokens=None
+        active_decode_blocks=0, active_prefill_tokens=None
     )
 
 
