@@ -28,7 +28,12 @@ import pytest
 
 from extproc.devstack import AgentProcess, Envoy, Extproc, ProcessExited, http
 from extproc.devstack import wait_until as _wait_until
-from extproc.devstack.llamacpp import EngineMissing, LlamaServer
+from extproc.devstack.llamacpp import (
+    EngineMissing,
+    LlamaServer,
+    llama_server_binary,
+    smollm2_model,
+)
 from extproc.devstack.prom import metric_sums
 from extproc.events.schema import ConfigEvent, LoadEvent
 from llmworker.llamacpp import parse_slots
@@ -40,7 +45,7 @@ PARALLEL = 2
 BLOCK = 16
 KV_TOTAL = CTX // BLOCK  # 64 blocks per engine
 SCRAPE = 0.1  # the agents' --interval, seconds
-# About 120 prompt tokens for SmolLM2's tokenizer (8 blocks); the router would count
+# 131 prompt tokens for SmolLM2's tokenizer (9 blocks, measured); the router would count
 # ceil(bytes / 4), but these prompts reach the engines directly.
 PROMPT = "Write a very long story about a lighthouse keeper and the sea. " * 10
 # The machine is shared and has 2 cores: conditions get generous deadlines.
@@ -49,8 +54,6 @@ WAIT = 60.0
 
 def _engine_or_reason() -> str | None:
     try:
-        from extproc.devstack.llamacpp import llama_server_binary, smollm2_model
-
         llama_server_binary()
         smollm2_model()
     except EngineMissing as exc:
