@@ -1,6 +1,6 @@
 """Sidecar agent: publish a real engine's load to the extproc (docs/events.md, docs/worker.md).
 
-``python -m llmworker.agent --engine vllm|sglang --engine-url URL --model M
+``python -m llmworker.agent --engine vllm|sglang|llamacpp --engine-url URL --model M
 --endpoint HOST:PORT --worker-id ID --publish tcp://HOST:PORT [--listen H:P
 --engine-request-limit N]``; ``--help`` lists every flag with its unit.
 
@@ -53,6 +53,19 @@ SGLang (`--engine sglang`, started with `--enable-metrics`):
 | `load.active_decode_blocks`     | `ceil(num_used_tokens / block_size)`; `token_usage` (h)      |
 | `load.active_prefill_tokens`    | `num_prefill_tokens` (f); `num_queue_reqs * mean_prompt` (e) |
 
+llama.cpp (`--engine llamacpp`, `llama-server` started with `--metrics`; the agent
+reads `/metrics` and `/slots` at each scrape, see :mod:`llmworker.llamacpp`):
+
+| event field                     | source                                                       |
+|---------------------------------|--------------------------------------------------------------|
+| `load.dp_rank`                  | 0: one rank per llama-server                                 |
+| `config.block_size`             | `--block-size`; 16 (i)                                       |
+| `config.kv_total_blocks`        | sum of the slots' `n_ctx` // block_size; `--kv-total-blocks` |
+| `config.max_num_batched_tokens` | `--max-num-batched-tokens`; omitted                          |
+| `config.dp_size`                | 1                                                            |
+| `load.active_decode_blocks`     | `ceil(held / block_size)`, held: see (j)                     |
+| `load.active_prefill_tokens`    | prompt left in slots + `requests_deferred * mean_prompt` (k) |
+
 (a) Ranks are numbered 0, 1, ... in ascending label order; a series without
 the label is rank 0; several series of one rank (SGLang prints one per TP/PP
 rank) give the largest value.
@@ -75,6 +88,18 @@ and the agent's own count (below) is sent.
 (g) SGLang counts its KV pool in tokens; the blocks announced are logical
 blocks of `block_size` tokens, the unit the router uses for its estimate.
 (h) When `num_used_tokens` is absent: `round(token_usage * kv_total_blocks)`.
+(i) llama.cpp has no KV blocks; its context is counted in logical blocks of this size.
+(j) `held` is the sum of `n_prompt_tokens` over the processing slots of `/slots`:
+the tokens in a slot's context, its request's whole prompt from the start plus the
+tokens generated. An idle slot keeps its last context only as a prompt cache, so it
+is not counted. llama-server prints no KV gauge.
+(k) A slot that has generated nothing yet has `n_prompt_tokens -
+n_prompt_tokens_processed - n_prompt_tokens_cache` left to evaluate (its whole prompt
+is in `n_prompt_tokens` from the start). A deferred request is not tokenized yet: it
+counts `mean_prompt`, the mean prompt length of the processing slots. 0 when nothing
+waits or prefills; omitted while requests are deferred and no slot is processing.
+An engine answering HTTP 501 on `/metrics` (started without `--metrics`) or `/slots`
+(`--no-slots`) stops the agent with exit 2 and the flag to add.
 
 The agent's own count: the prompt tokens (``ceil(UTF-8 bytes / 4)``, as the
 router counts them) of each proxied inference request, from dispatch until the
@@ -111,6 +136,7 @@ from llmworker.engine_metrics import (
     RankStats,
     parse_engine_metrics,
 )
+from llmworker.llamacpp import SLOTS_PATH, missing_flag, parse_llamacpp
 from llmworker.netaddr import advertised_endpoint, join_host_port, join_url
 from llmworker.proxy import EngineProxy, PrefillLedger
 from llmworker.settings import Number, OptWhole, SettingsError, option
@@ -271,6 +297,7 @@ class Agent:
         self.scrapes = 0
         self.failed_scrapes = 0
         self.failed = asyncio.Event()  # set if the agent had to give up (publisher error)
+        self.misconfigured = False  # the engine lacks a page the agent needs (exit 2)
         self._state: str | None = None  # "ok" or the kind of the current failure
         self._down_since: float | None = None
         self._warned: set[str] = set()
@@ -346,7 +373,7 @@ class Agent:
         """One scrape: publish what it says, or record the failure."""
         self.scrapes += 1
         try:
-            snapshot = parse_engine_metrics(self.settings.engine, await self._fetch())
+            snapshot = await self._read_engine()
         except MetricsParseError as exc:
             await self._scrape_failed(ScrapeFailed("malformed", f"malformed metrics: {exc}"))
             return
@@ -362,11 +389,19 @@ class Agent:
         self.snapshot = snapshot
         await self._publish(snapshot)
 
-    async def _fetch(self) -> str:
+    async def _read_engine(self) -> EngineSnapshot:
+        s = self.settings
+        if s.engine != "llamacpp":
+            return parse_engine_metrics(s.engine, await self._fetch(s.metrics_url))
+        metrics = await self._fetch(s.metrics_url)
+        return parse_llamacpp(metrics, await self._fetch(join_url(s.engine_url, SLOTS_PATH)))
+
+    async def _fetch(self, url: URL) -> str:
         assert self._session is not None
-        url = self.settings.metrics_url
         try:
             async with self._session.get(url) as response:
+                if response.status == 501 and self.settings.engine == "llamacpp":
+                    self._not_supported(url, await response.text())
                 if response.status != 200:
                     raise ScrapeFailed("http", f"GET {url} answered HTTP {response.status}")
                 body = b""
@@ -385,8 +420,22 @@ class Agent:
             raise ScrapeFailed("malformed", f"GET {url}: more than {MAX_METRICS_BYTES} bytes")
         return body.decode("utf-8", errors="replace")
 
+    def _not_supported(self, url: URL, body: str) -> None:
+        """llama-server answers 501 for a page it was started without: nothing to wait for."""
+        log.error(
+            "GET %s answered HTTP 501 (%s): start llama-server with %s",
+            url,
+            body.strip()[:200],
+            missing_flag(body, url.path),
+        )
+        self.misconfigured = True
+        self.failed.set()
+        raise ScrapeFailed("unsupported", f"GET {url} answered HTTP 501")
+
     async def _scrape_failed(self, failure: ScrapeFailed) -> None:
         self.failed_scrapes += 1
+        if failure.kind == "unsupported":
+            return  # logged by _not_supported; the agent is stopping
         now = asyncio.get_running_loop().time()
         if self._down_since is None:
             self._down_since = now
@@ -701,7 +750,7 @@ class AgentFlags(cli.WorkerFlags):
 def build_parser() -> argparse.ArgumentParser:
     return AgentFlags.build_parser(
         "python -m llmworker.agent",
-        "Sidecar next to a vLLM or SGLang server: scrapes its Prometheus /metrics "
+        "Sidecar next to a vLLM, SGLang or llama.cpp server: scrapes its metrics "
         "and publishes the worker's config and per-rank load to the extproc; optionally "
         "fronts the engine as a reverse proxy with worker-side admission.",
     )
@@ -760,9 +809,10 @@ def parse_args(
 async def serve(settings: AgentSettings) -> int:
     """Run until SIGTERM/SIGINT, then say ``bye`` and stop; the exit code."""
     agent = Agent(settings)
-    return await cli.serve_until_signal(
+    code = await cli.serve_until_signal(
         agent, log, f"agent {settings.worker_id}", failed=agent.failed
     )
+    return 2 if agent.misconfigured else code
 
 
 def main(argv: Sequence[str] | None = None) -> None:

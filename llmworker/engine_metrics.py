@@ -28,8 +28,8 @@ from typing import Literal
 
 from prometheus_client.parser import text_fd_to_metric_families
 
-Engine = Literal["vllm", "sglang"]
-ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
+Engine = Literal["vllm", "sglang", "llamacpp"]
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "llamacpp")
 
 
 class MetricsParseError(ValueError):
@@ -297,4 +297,6 @@ def parse_engine_metrics(engine: Engine, text: str) -> EngineSnapshot:
         return parse_vllm(text)
     if engine == "sglang":
         return parse_sglang(text)
+    if engine == "llamacpp":
+        raise ValueError("llama.cpp needs /slots too: use llmworker.llamacpp.parse_llamacpp")
     raise ValueError(f"unknown engine {engine!r}, expected one of {', '.join(ENGINES)}")
