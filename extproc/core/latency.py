@@ -1,0 +1,255 @@
+"""Holding a latency target: measured TTFT per worker, and the controller that scales limits.
+
+A model with ``ttft_p99_target_ms`` (or ``itl_p99_target_ms``) set is run by a controller per
+worker (docs/latency-target.md). Each worker's window of measured latencies gives a p99;
+once a second :meth:`LatencyControl.tick` moves the worker's multiplier on its configured
+limits (the ceiling) toward the largest value that keeps the p99 under the target:
+
+- above the target: down by the factor target / p99, kept within 0.95 to 0.70;
+- below ``RAISE_BELOW`` of the target: up by ``STEP_UP`` of the ceiling; between the two it
+  holds (the hysteresis band), so a p99 near the target does not make the limit hunt;
+- only on samples of requests dispatched after its last move, at least ``MIN_SAMPLES`` of
+  them: a move is judged by its own effect, not by the queue the previous limit built;
+- never below ``FLOOR``; a rank with nothing in flight keeps the unscaled limits anyway
+  (:meth:`~extproc.core.pool.Rank.limits_in_force`), so the floor never rejects into an
+  idle fleet; above the target at the floor is "target unreachable";
+- frozen while its data is stale: no sample for ``STALE_SECONDS``.
+
+Plain values and an injected clock; the measurements are fed in by the request path
+(:meth:`LatencyControl.observe_ttft`) and :meth:`tick` is called by the service's timer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from extproc.core.busy import BusyThresholds
+from extproc.core.pool import Worker, WorkerPool
+
+# Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
+# per second for the controller to act, below that load its limit is not what binds.
+WINDOW_SECONDS = 10.0
+MAX_SAMPLES = 4096  # per worker and window; the p99 of the newest this many
+MIN_SAMPLES = 20  # below this the p99 is the maximum of too few: no move
+STALE_SECONDS = 5.0
+FLOOR = 0.1
+STEP_UP = 0.05
+RAISE_BELOW = 0.8
+MIN_STEP_DOWN = 0.95
+MAX_STEP_DOWN = 0.70
+
+
+def p99(values: list[float]) -> float:
+    """The nearest-rank 99th percentile (the smallest value with 99 % at or below it)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class LatencyWindow:
+    """Recent latencies of one worker as (dispatch time, seconds), oldest first."""
+
+    __slots__ = ("last_at", "samples")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self.last_at: float | None = None  # when the newest sample was observed
+
+    def add(self, now: float, seconds: float) -> None:
+        self.samples.append((now - seconds, seconds))
+        self.last_at = now
+
+    def since(self, now: float, start: float) -> list[float]:
+        """The latencies of requests dispatched at or after ``start`` within the window."""
+        cutoff = now - WINDOW_SECONDS
+        samples = self.samples
+        while samples and samples[0][0] < cutoff:
+            samples.popleft()
+        start = max(start, cutoff)
+        return [s for t, s in samples if t >= start]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One controller decision: the new multiplier and why."""
+
+    scale: float
+    direction: int  # -1 down, 0 hold, +1 up
+    reason: str
+    unreachable: bool = False
+
+
+def control_step(scale: float, p99_s: float, target_s: float) -> Step:
+    """The move for a measured p99 against the target; pure arithmetic, no state."""
+    ratio = p99_s / target_s
+    shown = f"p99 {p99_s * 1000:.0f} ms, target {target_s * 1000:.0f} ms"
+    if ratio > 1.0:
+        if scale <= FLOOR:
+            return Step(FLOOR, 0, f"target unreachable: {shown} at the floor", True)
+        factor = min(MIN_STEP_DOWN, max(MAX_STEP_DOWN, 1.0 / ratio))
+        return Step(max(FLOOR, round(scale * factor, 4)), -1, f"lowering: {shown}")
+    if ratio < RAISE_BELOW and scale < 1.0:
+        return Step(min(1.0, round(scale + STEP_UP, 4)), 1, f"raising: {shown}")
+    if scale >= 1.0:
+        return Step(1.0, 0, f"at the ceiling: {shown}")
+    return Step(scale, 0, f"holding: {shown}")
+
+
+class WorkerControl:
+    """The controller state of one worker."""
+
+    __slots__ = (
+        "direction",
+        "itl",
+        "moved_at",
+        "p99_s",
+        "reason",
+        "scale",
+        "ttft",
+        "unreachable",
+    )
+
+    def __init__(self, now: float) -> None:
+        self.ttft = LatencyWindow()
+        self.itl = LatencyWindow()
+        self.scale = 1.0
+        self.direction = 0
+        self.moved_at = now
+        self.reason = "waiting for samples"
+        self.unreachable = False
+        self.p99_s: float | None = None  # the TTFT p99 of the current window
+
+    def view(self) -> dict[str, object]:
+        return {
+            "limit": self.scale,
+            "why": self.reason,
+            "target_unreachable": self.unreachable,
+            "ttft_p99_ms": None if self.p99_s is None else round(self.p99_s * 1000, 1),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A change of direction of one worker's limit: what the service logs."""
+
+    worker_id: str
+    model: str
+    direction: int
+    scale: float
+    reason: str
+
+
+class LatencyControl:
+    """The controllers of every worker of a model with a latency target."""
+
+    def __init__(self, pool: WorkerPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.clock = clock
+        self.workers: dict[str, WorkerControl] = {}
+
+    def _control(self, worker: Worker) -> WorkerControl:
+        control = self.workers.get(worker.worker_id)
+        if control is None:
+            control = self.workers[worker.worker_id] = WorkerControl(self.clock())
+        return control
+
+    def observe_ttft(self, worker: Worker, seconds: float) -> None:
+        """One request's time to first token on ``worker`` (the request path)."""
+        if self.pool.thresholds_for(worker.model).has_target:
+            self._control(worker).ttft.add(self.clock(), seconds)
+
+    def observe_itl(self, worker: Worker, seconds: float) -> None:
+        """One request's mean inter-token latency on ``worker``."""
+        if self.pool.thresholds_for(worker.model).has_target:
+            self._control(worker).itl.add(self.clock(), seconds)
+
+    def tick(self) -> list[Turn]:
+        """Move every controlled worker's limit once; returns the changes of direction."""
+        now = self.clock()
+        pool = self.pool
+        turns: list[Turn] = []
+        for worker_id in [w for w in self.workers if w not in pool.workers]:
+            del self.workers[worker_id]
+        for model, workers in pool.by_model.items():
+            th = pool.thresholds_for(model)
+            for worker in workers:
+                if not th.has_target:
+                    self.workers.pop(worker.worker_id, None)
+                    pool.set_latency_scale(worker, 1.0)
+                    continue
+                turn = self._tick_worker(worker, self._control(worker), th, now)
+                if turn is not None:
+                    turns.append(turn)
+        return turns
+
+    def _tick_worker(
+        self, worker: Worker, c: WorkerControl, th: BusyThresholds, now: float
+    ) -> Turn | None:
+        step = self._decide(c, th, now)
+        if step is None:
+            return None
+        c.reason = step.reason
+        c.unreachable = step.unreachable
+        if step.scale != c.scale:
+            c.scale = step.scale
+            c.moved_at = now
+            self.pool.set_latency_scale(worker, step.scale)
+        if step.direction and step.direction != c.direction:
+            c.direction = step.direction
+            return Turn(worker.worker_id, worker.model, step.direction, step.scale, step.reason)
+        return None
+
+    def _decide(self, c: WorkerControl, th: BusyThresholds, now: float) -> Step | None:
+        """The step for this tick, or None when frozen (the reason says why)."""
+        newest = max((t for t in (c.ttft.last_at, c.itl.last_at) if t is not None), default=None)
+        ttft = c.ttft.since(now, c.moved_at)
+        everything = c.ttft.since(now, now - WINDOW_SECONDS)
+        c.p99_s = p99(everything) if everything else None
+        if newest is None:
+            c.reason = "waiting for samples"
+            return None
+        if now - newest > STALE_SECONDS:
+            c.reason = f"frozen: no latency sample for {now - newest:.0f} s"
+            return None
+        steps: list[Step] = []
+        if th.ttft_p99_target_ms is not None and len(ttft) >= MIN_SAMPLES:
+            steps.append(control_step(c.scale, p99(ttft), th.ttft_p99_target_ms / 1000))
+        itl = c.itl.since(now, c.moved_at)
+        if th.itl_p99_target_ms is not None and len(itl) >= MIN_SAMPLES:
+            step = control_step(c.scale, p99(itl), th.itl_p99_target_ms / 1000)
+            steps.append(Step(step.scale, step.direction, "ITL " + step.reason, step.unreachable))
+        if not steps:
+            c.reason = f"waiting for {MIN_SAMPLES} samples since the last move"
+            return None
+        # The most cautious of the two targets decides.
+        return min(steps, key=lambda s: (s.scale, not s.unreachable))
+
+    def models(self) -> Iterator[tuple[str, float | None, float]]:
+        """Per model with a target: the TTFT p99 over all its workers' windows (s) and the
+        mean multiplier of its workers."""
+        now = self.clock()
+        for model, workers in self.pool.by_model.items():
+            if not self.pool.thresholds_for(model).has_target:
+                continue
+            samples: list[float] = []
+            scales: list[float] = []
+            for worker in workers:
+                c = self.workers.get(worker.worker_id)
+                scales.append(worker.latency_scale)
+                if c is not None:
+                    samples.extend(c.ttft.since(now, now - WINDOW_SECONDS))
+            mean = sum(scales) / len(scales) if scales else 1.0
+            yield model, (p99(samples) if samples else None), mean
+
+    def view(self, worker: Worker) -> dict[str, object] | None:
+        """What /debug/workers shows for ``worker``: None when its model has no target."""
+        if not self.pool.thresholds_for(worker.model).has_target:
+            return None
+        c = self.workers.get(worker.worker_id)
+        if c is None:
+            return {"limit": worker.latency_scale, "why": "waiting for samples",
+                    "target_unreachable": False, "ttft_p99_ms": None}  # fmt: skip
+        return c.view()
