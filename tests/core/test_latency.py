@@ -8,6 +8,7 @@ controller set, so the concurrency the plant sees is what the busy rule admitted
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, replace
 
@@ -108,8 +109,8 @@ class Sim:
 
 
 def _direction_changes(values: list[float]) -> int:
-    moves = [b - a for a, b in zip(values, values[1:], strict=False) if b != a]
-    return sum(1 for a, b in zip(moves, moves[1:], strict=False) if (a > 0) != (b > 0))
+    moves = [b - a for a, b in itertools.pairwise(values) if b != a]
+    return sum(1 for a, b in itertools.pairwise(moves) if (a > 0) != (b > 0))
 
 
 def test_step_response_settles_inside_the_band_and_stays() -> None:
