@@ -41,6 +41,13 @@ STEP_UP = 0.05
 RAISE_BELOW = 0.8
 MIN_STEP_DOWN = 0.95
 MAX_STEP_DOWN = 0.70
+# Where the TTFT of a streamed response was taken, as /debug/workers says it.
+AT_BODY = "first generated tokens in the response body"
+AT_HEADERS = (
+    "response headers: no ext_proc stream delivers the body, and an engine that sends its "
+    "headers before the first token (vLLM, the simulated worker) looks instantly fast; "
+    "observe response bodies (envoy/envoy-track-output.yaml)"
+)
 
 
 def p99(values: list[float]) -> float:
@@ -104,6 +111,7 @@ class WorkerControl:
     __slots__ = (
         "direction",
         "itl",
+        "measured_at",
         "moved_at",
         "p99_s",
         "reason",
@@ -121,6 +129,7 @@ class WorkerControl:
         self.reason = "waiting for samples"
         self.unreachable = False
         self.p99_s: float | None = None  # the TTFT p99 of the current window
+        self.measured_at = AT_BODY
 
     def view(self) -> dict[str, object]:
         return {
@@ -128,6 +137,7 @@ class WorkerControl:
             "why": self.reason,
             "target_unreachable": self.unreachable,
             "ttft_p99_ms": None if self.p99_s is None else round(self.p99_s * 1000, 1),
+            "ttft_measured_at": self.measured_at,
         }
 
 
@@ -156,10 +166,13 @@ class LatencyControl:
             control = self.workers[worker.worker_id] = WorkerControl(self.clock())
         return control
 
-    def observe_ttft(self, worker: Worker, seconds: float) -> None:
-        """One request's time to first token on ``worker`` (the request path)."""
+    def observe_ttft(self, worker: Worker, seconds: float, at_headers: bool = False) -> None:
+        """One request's time to first token on ``worker`` (the request path), taken at
+        its first generated tokens, or at its response headers (``at_headers``)."""
         if self.pool.thresholds_for(worker.model).has_target:
-            self._control(worker).ttft.add(self.clock(), seconds)
+            control = self._control(worker)
+            control.ttft.add(self.clock(), seconds)
+            control.measured_at = AT_HEADERS if at_headers else AT_BODY
 
     def observe_itl(self, worker: Worker, seconds: float) -> None:
         """One request's mean inter-token latency on ``worker``."""
@@ -251,5 +264,6 @@ class LatencyControl:
         c = self.workers.get(worker.worker_id)
         if c is None:
             return {"limit": worker.latency_scale, "why": "waiting for samples",
-                    "target_unreachable": False, "ttft_p99_ms": None}  # fmt: skip
+                    "target_unreachable": False, "ttft_p99_ms": None,
+                    "ttft_measured_at": None}  # fmt: skip
         return c.view()

@@ -520,7 +520,7 @@ class ExtProcHandler:
         st.first_token_at = now
         st.first_tokens = tokens
         assert self.latency is not None
-        self.latency.observe_ttft(ticket.worker, now - ticket.started)
+        self.latency.observe_ttft(ticket.worker, now - ticket.started, at_headers=not tokens)
 
     def _time_itl(self, st: _Stream, ticket: Ticket) -> None:
         """The mean gap between the tokens after the first chunk, once the response ends."""
