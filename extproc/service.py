@@ -115,9 +115,10 @@ async def _control_latency(control: LatencyControl, interval: float) -> None:
         await asyncio.sleep(interval)
         for turn in control.tick():
             log.info(
-                "latency limit of worker %s (%s) now %s: x%.2f of its thresholds; %s",
+                "latency limit of worker %s (%s%s) now %s: x%.2f of its thresholds; %s",
                 turn.worker_id,
                 turn.model,
+                f", class {turn.request_class}" if turn.request_class else "",
                 "falling" if turn.direction < 0 else "rising",
                 turn.scale,
                 turn.reason,
@@ -154,13 +155,13 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         pool.on_capacity = queue.notify
     metrics = Metrics()
     metrics.attach(pool, queue.depth if queue is not None else None)
-    latency = LatencyControl(pool)
-    metrics.watch_latency(latency)
     readiness = Readiness()
 
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
+    latency = LatencyControl(pool, classes=classes)
+    metrics.watch_latency(latency)
     if settings.state_file:
         state = RuntimeState(settings.state_file, pool, classes)
         try:

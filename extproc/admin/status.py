@@ -114,11 +114,7 @@ def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict
     out: dict[str, dict[str, Any]] = {}
     for model, measured, mean in latency.models():
         th = pool.thresholds_for(model)
-        unreachable = [
-            w.worker_id
-            for w in pool.by_model.get(model, ())
-            if (c := latency.workers.get(w.worker_id)) is not None and c.unreachable
-        ]
+        unreachable = [w.worker_id for w in pool.by_model.get(model, ()) if latency.unreachable(w)]
         out[model] = {
             "ttft_p99_target_ms": th.ttft_p99_target_ms,
             "itl_p99_target_ms": th.itl_p99_target_ms,

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from extproc.core.busy import BusyThresholds
+from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
 from extproc.core.pool import Worker, WorkerPool
 
 # Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
@@ -147,61 +147,153 @@ class Turn:
 
     worker_id: str
     model: str
+    request_class: str  # "" = the model's target
     direction: int
     scale: float
     reason: str
 
 
-class LatencyControl:
-    """The controllers of every worker of a model with a latency target."""
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The targets one controller holds, in ms."""
 
-    def __init__(self, pool: WorkerPool, clock: Callable[[], float] = time.monotonic) -> None:
+    ttft_p99_target_ms: float | None
+    itl_p99_target_ms: float | None
+
+
+MODEL = ""  # the key of the model's own target among a worker's controllers
+
+
+class LatencyControl:
+    """The controllers of every worker with a latency target: the model's (flag, API), and
+    one per request class with its own target (classes file). A class's multiplier applies
+    to its requests and to every class of no higher priority, so a miss of a critical class
+    sheds the sheddable too; a variant's limits use the lowest multiplier that applies."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        clock: Callable[[], float] = time.monotonic,
+        classes: ClassRegistry | None = None,
+    ) -> None:
         self.pool = pool
         self.clock = clock
-        self.workers: dict[str, WorkerControl] = {}
+        self.classes = classes
+        # Per worker id: its controllers by MODEL or class name.
+        self.workers: dict[str, dict[str, WorkerControl]] = {}
+        self._class_targets: dict[str, Targets] = {}
+        self._variants: list[RequestClass] = []
+        if classes is not None:
+            self._on_classes(classes.table)
+            classes.listeners.append(self._on_classes)
 
-    def _control(self, worker: Worker) -> WorkerControl:
-        control = self.workers.get(worker.worker_id)
-        if control is None:
-            control = self.workers[worker.worker_id] = WorkerControl(self.clock())
-        return control
+    def _on_classes(self, table: ClassTable) -> None:
+        """A class table in force: a class whose target was removed stops shedding now."""
+        self._variants = table.variant_classes() if table.enabled else []
+        self._class_targets = {
+            c.name: Targets(c.ttft_p99_target_ms, c.itl_p99_target_ms)
+            for c in table.classes
+            if c.has_target and table.enabled
+        }
+        for wid, controls in self.workers.items():
+            for name in [n for n in controls if n != MODEL and n not in self._class_targets]:
+                del controls[name]
+            worker = self.pool.workers.get(wid)
+            if worker is not None:
+                self._apply(worker, controls)
 
-    def observe_ttft(self, worker: Worker, seconds: float, at_headers: bool = False) -> None:
+    def _targets(self, model: str) -> Targets | None:
+        th = self.pool.thresholds_for(model)
+        if not th.has_target:
+            return None
+        return Targets(th.ttft_p99_target_ms, th.itl_p99_target_ms)
+
+    def _timed(self, worker: Worker, request_class: str) -> list[WorkerControl]:
+        """The controllers a request of ``request_class`` on ``worker`` feeds."""
+        out: list[WorkerControl] = []
+        if not self._targets(worker.model) and request_class not in self._class_targets:
+            return out
+        controls = self.workers.setdefault(worker.worker_id, {})
+        for key in (MODEL, request_class) if request_class else (MODEL,):
+            if (key == MODEL and self._targets(worker.model)) or key in self._class_targets:
+                control = controls.get(key)
+                if control is None:
+                    control = controls[key] = WorkerControl(self.clock())
+                out.append(control)
+        return out
+
+    def timed(self, model: str, request_class: str = "") -> bool:
+        """Whether a request of ``model`` (and ``request_class``) is timed at all."""
+        return self.pool.thresholds_for(model).has_target or request_class in self._class_targets
+
+    def observe_ttft(
+        self, worker: Worker, seconds: float, at_headers: bool = False, request_class: str = ""
+    ) -> None:
         """One request's time to first token on ``worker`` (the request path), taken at
         its first generated tokens, or at its response headers (``at_headers``)."""
-        if self.pool.thresholds_for(worker.model).has_target:
-            control = self._control(worker)
-            control.ttft.add(self.clock(), seconds)
+        now = self.clock()
+        for control in self._timed(worker, request_class):
+            control.ttft.add(now, seconds)
             control.measured_at = AT_HEADERS if at_headers else AT_BODY
 
-    def observe_itl(self, worker: Worker, seconds: float) -> None:
+    def observe_itl(self, worker: Worker, seconds: float, request_class: str = "") -> None:
         """One request's mean inter-token latency on ``worker``."""
-        if self.pool.thresholds_for(worker.model).has_target:
-            self._control(worker).itl.add(self.clock(), seconds)
+        now = self.clock()
+        for control in self._timed(worker, request_class):
+            control.itl.add(now, seconds)
 
     def tick(self) -> list[Turn]:
-        """Move every controlled worker's limit once; returns the changes of direction."""
+        """Move every controlled worker's limits once; returns the changes of direction."""
         now = self.clock()
         pool = self.pool
         turns: list[Turn] = []
         for worker_id in [w for w in self.workers if w not in pool.workers]:
             del self.workers[worker_id]
         for model, workers in pool.by_model.items():
-            th = pool.thresholds_for(model)
+            model_targets = self._targets(model)
             for worker in workers:
-                if not th.has_target:
-                    self.workers.pop(worker.worker_id, None)
-                    pool.set_latency_scale(worker, 1.0)
-                    continue
-                turn = self._tick_worker(worker, self._control(worker), th, now)
-                if turn is not None:
-                    turns.append(turn)
+                controls = self.workers.get(worker.worker_id, {})
+                if model_targets is None:
+                    controls.pop(MODEL, None)
+                for key, control in controls.items():
+                    targets = model_targets if key == MODEL else self._class_targets.get(key)
+                    if targets is None:
+                        continue
+                    turn = self._tick_one(worker, key, control, targets, now)
+                    if turn is not None:
+                        turns.append(turn)
+                self._apply(worker, controls)
         return turns
 
-    def _tick_worker(
-        self, worker: Worker, c: WorkerControl, th: BusyThresholds, now: float
+    def _apply(self, worker: Worker, controls: dict[str, WorkerControl]) -> None:
+        """The worker's multipliers from its controllers' scales."""
+        model = controls.get(MODEL)
+        scale = 1.0 if model is None else model.scale
+        by_variant: tuple[float, ...] = ()
+        if self._variants and any(k != MODEL for k in controls):
+            by_variant = tuple(
+                min(
+                    [1.0]
+                    + [
+                        c.scale
+                        for key, c in controls.items()
+                        if key != MODEL and self._priority(key) >= v.priority
+                    ]
+                )
+                for v in self._variants
+            )
+        self.pool.set_latency_scale(worker, scale, by_variant)
+
+    def _priority(self, name: str) -> int:
+        for c in self._variants:
+            if c.name == name:
+                return c.priority
+        return -1
+
+    def _tick_one(
+        self, worker: Worker, key: str, c: WorkerControl, targets: Targets, now: float
     ) -> Turn | None:
-        step = self._decide(c, th, now)
+        step = self._decide(c, targets, now)
         if step is None:
             return None
         c.reason = step.reason
@@ -209,13 +301,14 @@ class LatencyControl:
         if step.scale != c.scale:
             c.scale = step.scale
             c.moved_at = now
-            self.pool.set_latency_scale(worker, step.scale)
         if step.direction and step.direction != c.direction:
             c.direction = step.direction
-            return Turn(worker.worker_id, worker.model, step.direction, step.scale, step.reason)
+            return Turn(
+                worker.worker_id, worker.model, key, step.direction, step.scale, step.reason
+            )
         return None
 
-    def _decide(self, c: WorkerControl, th: BusyThresholds, now: float) -> Step | None:
+    def _decide(self, c: WorkerControl, targets: Targets, now: float) -> Step | None:
         """The step for this tick, or None when frozen (the reason says why)."""
         newest = max((t for t in (c.ttft.last_at, c.itl.last_at) if t is not None), default=None)
         ttft = c.ttft.since(now, c.moved_at)
@@ -228,17 +321,21 @@ class LatencyControl:
             c.reason = f"frozen: no latency sample for {now - newest:.0f} s"
             return None
         steps: list[Step] = []
-        if th.ttft_p99_target_ms is not None and len(ttft) >= MIN_SAMPLES:
-            steps.append(control_step(c.scale, p99(ttft), th.ttft_p99_target_ms / 1000))
+        if targets.ttft_p99_target_ms is not None and len(ttft) >= MIN_SAMPLES:
+            steps.append(control_step(c.scale, p99(ttft), targets.ttft_p99_target_ms / 1000))
         itl = c.itl.since(now, c.moved_at)
-        if th.itl_p99_target_ms is not None and len(itl) >= MIN_SAMPLES:
-            step = control_step(c.scale, p99(itl), th.itl_p99_target_ms / 1000)
+        if targets.itl_p99_target_ms is not None and len(itl) >= MIN_SAMPLES:
+            step = control_step(c.scale, p99(itl), targets.itl_p99_target_ms / 1000)
             steps.append(Step(step.scale, step.direction, "ITL " + step.reason, step.unreachable))
         if not steps:
             c.reason = f"waiting for {MIN_SAMPLES} samples since the last move"
             return None
         # The most cautious of the two targets decides.
         return min(steps, key=lambda s: (s.scale, not s.unreachable))
+
+    def unreachable(self, worker: Worker) -> bool:
+        """Some target of ``worker`` is out of reach at the floor."""
+        return any(c.unreachable for c in self.workers.get(worker.worker_id, {}).values())
 
     def models(self) -> Iterator[tuple[str, float | None, float]]:
         """Per model with a target: the TTFT p99 over all its workers' windows (s) and the
@@ -250,7 +347,7 @@ class LatencyControl:
             samples: list[float] = []
             scales: list[float] = []
             for worker in workers:
-                c = self.workers.get(worker.worker_id)
+                c = self.workers.get(worker.worker_id, {}).get(MODEL)
                 scales.append(worker.latency_scale)
                 if c is not None:
                     samples.extend(c.ttft.since(now, now - WINDOW_SECONDS))
@@ -258,12 +355,24 @@ class LatencyControl:
             yield model, (p99(samples) if samples else None), mean
 
     def view(self, worker: Worker) -> dict[str, object] | None:
-        """What /debug/workers shows for ``worker``: None when its model has no target."""
-        if not self.pool.thresholds_for(worker.model).has_target:
+        """What /debug/workers shows for ``worker``: None when nothing of it is timed. The
+        model's controller first (``limit``, ``why``...), then ``classes`` by name."""
+        has_model = self.pool.thresholds_for(worker.model).has_target
+        if not has_model and not self._class_targets:
             return None
-        c = self.workers.get(worker.worker_id)
-        if c is None:
-            return {"limit": worker.latency_scale, "why": "waiting for samples",
-                    "target_unreachable": False, "ttft_p99_ms": None,
-                    "ttft_measured_at": None}  # fmt: skip
-        return c.view()
+        controls = self.workers.get(worker.worker_id, {})
+        control = controls.get(MODEL)
+        if control is not None:
+            out = control.view()
+        else:
+            out = {"limit": worker.latency_scale, "why": "waiting for samples" if has_model
+                   else "no target for the model", "target_unreachable": False,
+                   "ttft_p99_ms": None, "ttft_measured_at": None}  # fmt: skip
+        if self._class_targets:
+            out["classes"] = {
+                name: controls[name].view() if name in controls else {
+                    "limit": 1.0, "why": "waiting for samples", "target_unreachable": False,
+                    "ttft_p99_ms": None, "ttft_measured_at": None}
+                for name in self._class_targets
+            }  # fmt: skip
+        return out

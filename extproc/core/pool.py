@@ -145,6 +145,7 @@ class Worker:
         "last_seen",
         "last_seq",
         "latency_scale",
+        "latency_scales",
         "max_num_batched_tokens",
         "model",
         "overloaded_until",
@@ -177,8 +178,10 @@ class Worker:
         self.busy_by_class: list[bool] = []
         # floor(--router-queue-threshold x max_num_batched_tokens), None = never queue.
         self.queue_limit: int | None = None
-        # The latency controller's multiplier on every limit (1 = the configured ones).
+        # The latency controller's multiplier on every limit (1 = the configured ones),
+        # and per class variant where class targets set a lower one (empty: none).
         self.latency_scale = 1.0
+        self.latency_scales: tuple[float, ...] = ()
 
     def kv_total(self, rank: Rank) -> int | None:
         return (
@@ -458,14 +461,21 @@ class WorkerPool:
         for worker in self.workers.values():
             self._recompute_limits(worker)
 
-    def set_latency_scale(self, worker: Worker, scale: float) -> None:
-        """The latency controller's multiplier on ``worker``'s limits, in (0, 1]; takes
-        effect for the very next decision. A rank with nothing in flight keeps the
-        unscaled limits (:meth:`Rank.limits_in_force`)."""
-        if not 0.0 < scale <= 1.0:
-            raise ValueError(f"latency scale must be in (0, 1], got {scale!r}")
-        if scale != worker.latency_scale:
+    def set_latency_scale(
+        self, worker: Worker, scale: float, by_variant: tuple[float, ...] = ()
+    ) -> None:
+        """The latency controller's multiplier on ``worker``'s limits, in (0, 1], and per
+        class variant (``by_variant``: a variant's own, where lower); takes effect for the
+        very next decision. A rank with nothing in flight keeps the unscaled limits
+        (:meth:`Rank.limits_in_force`)."""
+        for value in (scale, *by_variant):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"latency scale must be in (0, 1], got {value!r}")
+        if all(v >= 1.0 for v in by_variant):
+            by_variant = ()
+        if scale != worker.latency_scale or by_variant != worker.latency_scales:
             worker.latency_scale = scale
+            worker.latency_scales = by_variant
             self._recompute_limits(worker)
 
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
@@ -480,14 +490,18 @@ class WorkerPool:
     def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
         shares = self.shares
         scale = worker.latency_scale
-        if scale == 1.0:
+        by_variant = worker.latency_scales
+        if scale == 1.0 and not by_variant:
             rank.ceilings = None
             rank.limits = self._limits(worker, rank, shares[0])
             rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
             return
         rank.ceilings = [self._limits(worker, rank, s) for s in shares]
-        rank.limits = self._limits(worker, rank, scaled_share(shares[0], scale))
-        rank.class_limits = [self._limits(worker, rank, scaled_share(s, scale)) for s in shares[1:]]
+        scaled = [
+            self._limits(worker, rank, scaled_share(s, min((scale, *by_variant[i : i + 1]))))
+            for i, s in enumerate(shares)
+        ]
+        rank.limits, rank.class_limits = scaled[0], scaled[1:]
 
     def _recompute_limits(self, worker: Worker) -> None:
         for rank in worker.ranks:

@@ -361,7 +361,7 @@ class ExtProcHandler:
             ticket = st.ticket = decision.ticket
             st.fallbacks = decision.fallbacks
             if self.latency is not None:
-                st.timed = self.pool.thresholds_for(st.model).has_target
+                st.timed = self.latency.timed(st.model, self._class_name(st))
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
@@ -520,13 +520,20 @@ class ExtProcHandler:
         st.first_token_at = now
         st.first_tokens = tokens
         assert self.latency is not None
-        self.latency.observe_ttft(ticket.worker, now - ticket.started, at_headers=not tokens)
+        self.latency.observe_ttft(
+            ticket.worker, now - ticket.started, not tokens, self._class_name(st)
+        )
 
     def _time_itl(self, st: _Stream, ticket: Ticket) -> None:
         """The mean gap between the tokens after the first chunk, once the response ends."""
         gaps = ticket.generated - st.first_tokens
         if gaps > 0 and self.latency is not None:
-            self.latency.observe_itl(ticket.worker, (st.last_token_at - st.first_token_at) / gaps)
+            itl = (st.last_token_at - st.first_token_at) / gaps
+            self.latency.observe_itl(ticket.worker, itl, self._class_name(st))
+
+    def _class_name(self, st: _Stream) -> str:
+        """The request's class while classes are configured, else ""."""
+        return st.request_class.name if st.request_class is not None else ""
 
     def _on_observed(self, obs: ObserverSession, message: bytes) -> None:
         """A message of the observability-mode filter: count output, reply nothing.

@@ -216,8 +216,7 @@ class LatencyCollector(Collector):
             count = 0
             for worker in pool.by_model.get(model, ()):
                 per_worker.add_metric([worker.worker_id, model], worker.latency_scale)
-                c = control.workers.get(worker.worker_id)
-                count += c is not None and c.unreachable
+                count += control.unreachable(worker)
             unreachable.add_metric([model], count)
         yield from (limit, p99, target, unreachable, per_worker)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core.busy import BusyThresholds
+from extproc.core.classes import ClassRegistry, parse_table
 from extproc.core.latency import (
     FLOOR,
     MAX_STEP_DOWN,
@@ -252,3 +254,60 @@ def test_control_step_is_bounded_and_points_the_right_way(
     else:
         assert step.scale >= scale
     assert step.unreachable == (p99_ms > target_ms and scale <= FLOOR)
+
+
+def _classes_sim(critical_ms: float | None, sheddable_ms: float | None) -> tuple[Sim, Any]:
+    sim = Sim({"w": Plant()}, target_ms=None)
+    classes: dict[str, Any] = {"critical": {"priority": 10}, "sheddable": {"share": 0.5}}
+    if critical_ms is not None:
+        classes["critical"]["ttft_p99_target_ms"] = critical_ms
+    if sheddable_ms is not None:
+        classes["sheddable"]["ttft_p99_target_ms"] = sheddable_ms
+    registry = ClassRegistry(parse_table({"classes": classes, "default": "critical"}), sim.pool)
+    sim.control = LatencyControl(sim.pool, sim.clock, registry)
+    return sim, registry
+
+
+def _limits(sim: Sim) -> tuple[int | None, int | None]:
+    """The prefill limits of the critical (default) and the sheddable class, in force."""
+    rank = sim.pool.workers["w"].ranks[0]
+    rank.inflight = 1  # as with a request in flight: the scaled limits decide
+    try:
+        limits, others = rank.limits_in_force()
+        return limits.prefill_tokens, others[0].prefill_tokens
+    finally:
+        rank.inflight = 0
+
+
+def _feed(sim: Sim, request_class: str, seconds: float, ticks: int) -> None:
+    worker = sim.pool.workers["w"]
+    for _ in range(ticks):
+        sim.clock.t += 1.0
+        for _ in range(30):
+            sim.control.observe_ttft(worker, seconds, request_class=request_class)
+        sim.control.tick()
+
+
+def test_a_sheddable_class_target_sheds_only_that_class() -> None:
+    sim, _ = _classes_sim(None, 100.0)
+    _feed(sim, "sheddable", 0.9, 30)  # far above 100 ms: down to the floor
+    critical, sheddable = _limits(sim)
+    assert critical == CEILING  # a lower-priority target never sheds a higher class
+    assert sheddable == int(CEILING * 0.5 * FLOOR)
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None
+    assert view["classes"]["sheddable"]["target_unreachable"] is True  # type: ignore[index]
+
+
+def test_a_critical_class_target_sheds_it_and_every_lower_class() -> None:
+    sim, registry = _classes_sim(300.0, None)
+    _feed(sim, "critical", 0.6, 3)
+    worker = sim.pool.workers["w"]
+    scale = worker.latency_scales[0]
+    assert scale < 1.0 and worker.latency_scales == (scale, scale)
+    critical, sheddable = _limits(sim)
+    assert critical == int(CEILING * scale) and sheddable == int(CEILING * 0.5 * scale)
+    # The target taken off the class (the API, another replica): the ceiling at once.
+    registry.update_class("critical", {"ttft_p99_target_ms": None})
+    assert _limits(sim) == (CEILING, CEILING // 2)
+    assert worker.latency_scales == ()
