@@ -160,7 +160,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
-    latency = LatencyControl(pool, classes=classes)
+    latency = LatencyControl(pool, classes=classes, source=settings.ttft_source)
     metrics.watch_latency(latency)
     if settings.state_file:
         state = RuntimeState(settings.state_file, pool, classes)

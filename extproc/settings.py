@@ -45,6 +45,7 @@ from extproc.openai.errors import (
 )
 
 RouterMode = Literal["kv", "round-robin", "random"]
+TtftSource = Literal["gateway", "engine"]
 GrpcServerKind = Literal["builtin", "grpcio"]
 AdmissionControl = Literal["none", "token-capacity"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -355,6 +356,18 @@ class Settings(BaseSettings):
         gt=0.0,
         le=float(MAX_TARGET_MS),
         allow_inf_nan=False,
+    )
+    ttft_source: Annotated[TtftSource, BeforeValidator(_text)] = setting(
+        "gateway",
+        "--ttft-source",
+        "EXTPROC_TTFT_SOURCE",
+        "busy",
+        "what the latency controller reads: gateway = TTFT measured by the extproc from the "
+        "response body (needs bodies observed: envoy/envoy-track-output.yaml); engine = what "
+        "the engines report in their load events (the sidecar agent, the simulated worker). "
+        "Both are shown. Default: gateway",
+        metavar="{gateway,engine}",
+        expected="gateway or engine",
     )
     overload: Annotated[OverloadStatus, NoDecode, BeforeValidator(_overload)] = setting(
         OverloadStatus(),

@@ -166,3 +166,46 @@ async def test_a_target_sheds_what_the_thresholds_admit_and_off_restores_them(
     log = stack.ext.proc.log()
     turns = [line for line in log.splitlines() if "latency limit of worker sim" in line]
     assert turns and len(turns) <= 3, turns  # one line per change of direction
+
+
+async def test_the_simulated_engine_reports_its_ttft_and_can_drive_the_controller(
+    tmp_path: Path,
+) -> None:
+    """With --ttft-source engine the controller reads what the engine reports in its load
+    events (no Envoy, no body observed): a 1 ms target walks the limit to the floor."""
+    ext = Extproc(tmp_path, ["--active-prefill-tokens-threshold", str(CEILING),
+                             "--ttft-p99-target-ms", "1", "--ttft-source", "engine",
+                             "--worker-ttl", "60"])  # fmt: skip
+    port = free_port()
+    sim = None
+    try:
+        sim = SimProcess(
+            cli_flags(host="127.0.0.1", port=port, model="m", worker_id="sim",
+                      publish=ext.event_endpoint, heartbeat=0.3, log_level="WARNING"),
+            log_dir=tmp_path, name="sim-engine",
+        )  # fmt: skip
+        wait_until(lambda: sim is not None and sim.healthy(port), 20, "sim up")
+        wait_until(lambda: "sim" in ext.workers(), 10, "sim announced")
+        load = asyncio.create_task(drive(f"http://127.0.0.1:{port}", 60))
+        try:
+
+            def at_floor() -> bool:
+                control = ext.workers()["sim"].get("latency_control") or {}
+                return control.get("limit") == FLOOR and bool(control.get("target_unreachable"))
+
+            await asyncio.to_thread(wait_until, at_floor, 45, "the limit at the floor")
+            control = (await asyncio.to_thread(ext.workers))["sim"]["latency_control"]
+            assert control["engine_ttft_p99_ms"] > 1
+            assert control["ttft_p99_ms"] == control["engine_ttft_p99_ms"]  # what it reads
+            text = await asyncio.to_thread(ext.metrics)
+            assert (metric_value(text, "extproc_engine_ttft_p99_seconds", {"model": "m"}) or 0) > 0
+            # Requests sent straight to the engine pass no gateway: nothing measured there.
+            assert metric_value(text, "extproc_ttft_p99_seconds", {"model": "m"}) is None
+        finally:
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+    finally:
+        if sim is not None:
+            sim.stop()
+        ext.stop()
