@@ -280,11 +280,11 @@ def test_rendered_page_says_when_a_latency_target_is_unreachable(
             timeout=10_000,
         )
         cell = page.locator('#models tr[data-model="slo"] td.latency').inner_text()
-        assert "/ 1 ms" in cell and "limit ×0.1" in cell, cell
+        assert "/ 1 ms" in cell and "limit \u00d70.1" in cell, cell
         warning = page.locator("#warning-list").inner_text()
         assert "model slo: target unreachable" in warning and "gpu-t" in warning, warning
         why = page.locator('tr.worker[data-worker-id="gpu-t"] .latency-control').inner_text()
-        assert "limit ×0.1 of the thresholds: target unreachable" in why, why
+        assert "limit \u00d70.1 of the thresholds: target unreachable" in why, why
         assert errors == []
     finally:
         pub.close()
