@@ -140,8 +140,9 @@ async def test_a_target_sheds_what_the_thresholds_admit_and_off_restores_them(
         assert "target unreachable" in control["why"] and "p99" in control["why"]
         assert control["ttft_p99_ms"] > 1
         assert control["ttft_measured_at"].startswith("first generated tokens")
-        limit = stack.worker()["ranks"][0]["busy_limits"][PREFILL]
-        assert limit == int(CEILING * FLOOR)
+        rank = stack.worker()["ranks"][0]
+        assert rank["busy_limits"][PREFILL] == int(CEILING * FLOOR)
+        assert rank["ceiling_limits"][PREFILL] == CEILING
         status_json = await asyncio.to_thread(get_json, stack.ext.admin + "/status.json")
         latency = status_json["models"][0]["latency"]
         assert latency["target_unreachable"] == ["sim"] and latency["ttft_p99_ms"] > 1
@@ -160,7 +161,7 @@ async def test_a_target_sheds_what_the_thresholds_admit_and_off_restores_them(
     assert status == 200 and set(entry) == {"model", *THRESHOLD_NAMES}, entry
     worker = await asyncio.to_thread(stack.worker)  # at once: no controller tick needed
     assert worker["ranks"][0]["busy_limits"][PREFILL] == CEILING
-    assert "latency_control" not in worker
+    assert "latency_control" not in worker and "ceiling_limits" not in worker["ranks"][0]
     after = await drive(url, 3)
     assert set(after) == {200}, after
     log = stack.ext.proc.log()
