@@ -210,3 +210,50 @@ async def test_the_simulated_engine_reports_its_ttft_and_can_drive_the_controlle
         if sim is not None:
             sim.stop()
         ext.stop()
+
+
+async def drive_timed(url: str, seconds: float) -> list[tuple[float, int, float | None]]:
+    """Like :func:`drive`, per request: start time, status, and the client's own TTFT (the
+    first body chunk with generated text)."""
+    out: list[tuple[float, int, float | None]] = []
+    deadline = time.monotonic() + seconds
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in range(MAX_REQUESTS_PER_CLIENT):
+            if time.monotonic() >= deadline:
+                return
+            started = time.monotonic()
+            first = None
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                async for chunk in resp.content.iter_any():
+                    if first is None and b'"text"' in chunk:
+                        first = time.monotonic() - started
+                out.append((started, resp.status, first))
+            if resp.status != 200:
+                await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(client(session) for _ in range(CLIENTS)))
+    return out
+
+
+@pytest.mark.slow
+async def test_a_reachable_target_is_held_for_the_clients(stack: Stack) -> None:
+    """A 400 ms target against about a second of TTFT under the thresholds alone: once the
+    controller has settled, the clients' own TTFT p99 is near the target, the excess is shed,
+    and the limit did not hunt."""
+    target_ms = 400
+    status, _ = await asyncio.to_thread(stack.post, {"model": "m", TTFT_TARGET: target_ms})
+    assert status == 200
+    out = await drive_timed(stack.envoy.url, 35)
+    start = min(o[0] for o in out)
+    late = [o for o in out if o[0] >= start + 25]  # the last 10 s, after settling
+    ttfts = sorted(o[2] for o in late if o[1] == 200 and o[2] is not None)
+    assert len(ttfts) >= 50, len(ttfts)
+    p99 = ttfts[max(0, -(-99 * len(ttfts) // 100) - 1)]
+    assert p99 <= 1.3 * target_ms / 1000, f"client TTFT p99 {p99:.3f} s"
+    assert any(o[1] == 529 for o in late)  # held by shedding the excess
+    control = (await asyncio.to_thread(stack.worker))["latency_control"]
+    assert control["target_unreachable"] is False and 0.1 < control["limit"] < 1.0, control
+    turns = [line for line in stack.ext.proc.log().splitlines() if "latency limit of" in line]
+    assert 1 <= len(turns) <= 3, turns  # settled, not hunting
