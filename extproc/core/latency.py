@@ -306,7 +306,7 @@ class LatencyControl:
 
     def _apply(self, worker: Worker, controls: dict[str, WorkerControl]) -> None:
         """The worker's multipliers from its controllers' scales."""
-        model = controls.get(MODEL)
+        model = controls.get(MODEL) if self._targets(worker.model) else None
         scale = 1.0 if model is None else model.scale
         by_variant: tuple[float, ...] = ()
         if self._variants and any(k != MODEL for k in controls):
