@@ -279,8 +279,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     parts.callback(controller.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
-        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; worker busy "
-        "statuses %s; replica %s%s",
+        "thresholds decode=%s prefill=%s prefill_frac=%s; latency target ttft=%s itl=%s ms "
+        "(%s-measured); overload status %s; worker busy statuses %s; replica %s%s",
         address,
         settings.grpc_server,
         settings.admin_host,
@@ -290,6 +290,9 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_decode_blocks_threshold,
         settings.active_prefill_tokens_threshold,
         settings.active_prefill_tokens_threshold_frac,
+        settings.ttft_p99_target_ms,
+        settings.itl_p99_target_ms,
+        settings.ttft_source,
         settings.overload_status,
         ",".join(map(str, settings.worker_busy_statuses)) or "off",
         pool.replica.replica_id,
