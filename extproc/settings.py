@@ -806,6 +806,18 @@ class Settings(BaseSettings):
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
             )
+        has_target = self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
+        thresholds = (
+            self.active_decode_blocks_threshold,
+            self.active_prefill_tokens_threshold,
+            self.active_prefill_tokens_threshold_frac,
+        )
+        if has_target and all(t is None for t in thresholds):
+            warnings.append(
+                "a latency target is set (--ttft-p99-target-ms / --itl-p99-target-ms) but no "
+                "busy threshold: the controller scales the thresholds, so nothing is shed until "
+                "one is set (--active-prefill-tokens-threshold, ...) as the ceiling"
+            )
         if not is_loopback_host(self.admin_host) and not self.admin_token:
             warnings.append(
                 f"admin API listens on {self.admin_host} without --admin-token: "
