@@ -342,10 +342,11 @@ class SimWorker:
 
     async def _generate(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         async with self.admission.slot():
+            submitted = time.monotonic()
             stream = self.engine.submit(gen.prompt_tokens, gen.max_tokens)
             try:
                 if gen.stream:
-                    return await self._stream_sse(request, gen, stream)
+                    return await self._stream_sse(request, gen, stream, submitted)
                 try:
                     await stream.wait()
                 except EngineStopped:
@@ -383,8 +384,10 @@ class SimWorker:
         return response
 
     async def _stream_sse(
-        self, request: web.Request, gen: Generation, stream: RequestStream
+        self, request: web.Request, gen: Generation, stream: RequestStream, submitted: float
     ) -> web.StreamResponse:
+        """The SSE stream of a request; its time to first token (from its submission to the
+        engine, as vLLM's histogram counts it) is reported with the next load event."""
         response = web.StreamResponse(
             headers={
                 "content-type": "text/event-stream",
@@ -402,6 +405,8 @@ class SimWorker:
         last = gen.max_tokens - 1
         try:
             async for i in stream:
+                if i == 0 and self.publisher is not None:
+                    self.publisher.report_ttft(stream.rank, time.monotonic() - submitted)
                 finish = "length" if i == last else None
                 choice: dict[str, Any]
                 if gen.chat:

@@ -70,6 +70,7 @@ def apply_event(
                 active_prefill_tokens=event.active_prefill_tokens,
                 kv_total_blocks=event.kv_total_blocks,
                 seq=event.seq,
+                ttft_seconds=event.ttft_seconds,
             )
         elif type(event) is ConfigEvent:
             displaced = pool.announce(
@@ -100,6 +101,8 @@ def apply_event(
                 event.active_decode_blocks_threshold,
                 event.active_prefill_tokens_threshold,
                 event.active_prefill_tokens_threshold_frac,
+                event.ttft_p99_target_ms,
+                event.itl_p99_target_ms,
             )
             pool.set_thresholds(event.model, thresholds, (event.version, event.writer))
         elif type(event) is ClassEvent:
