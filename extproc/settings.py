@@ -1,17 +1,13 @@
 """Service settings: command-line flags over environment variables (docs/configuration.md).
 
-Every setting is declared once, as a field of :class:`Settings`: its type and
-bounds, default, flag, environment variable (``DYN_*`` for the thresholds, as the
-Dynamo frontend names them; ``EXTPROC_*`` for the service's own), help text with
-its unit, ``--help`` group, and what a valid value looks like. The argparse
-parser and ``--help`` are generated from those fields; pydantic-settings reads the
-environment. A flag wins over its variable. An invalid value is a
-:class:`SettingsError` naming the flag or variable, the value and what was
-expected (exit code 2).
-
-pydantic-settings' own CLI source is not used: it groups ``--help`` only by nested
-models (which would rename the attributes the service reads), does not show the
-environment variables, and its errors name the field rather than the flag.
+Every setting is declared once, as a row of :class:`Settings` (a settings table of
+:mod:`extproc.settings_table`): its type and bounds, default, flag, environment variable
+(``DYN_*`` for the thresholds, as the Dynamo frontend names them; ``EXTPROC_*`` for the
+service's own), help text with its unit, ``--help`` group, and what a valid value looks
+like. The argparse parser and ``--help`` are generated from those rows; pydantic-settings
+reads the environment. A flag wins over its variable; an empty variable is a value (for a
+threshold: off). An invalid value is a :class:`SettingsError` worded ``invalid FLAG value
+VALUE: what was expected``, every problem in one line (exit code 2).
 """
 
 from __future__ import annotations
@@ -20,20 +16,11 @@ import argparse
 import os
 import re
 from collections.abc import Mapping, Sequence
-from contextvars import ContextVar
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, get_args
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
-from pydantic.json_schema import JsonDict
-from pydantic_core import PydanticCustomError
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    NoDecode,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic import BeforeValidator, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from extproc.core.busy import MAX_TARGET_MS, MAX_TOKEN_THRESHOLD
 from extproc.core.classes import ClassConfigError, ClassTable, parse_table
@@ -43,6 +30,19 @@ from extproc.openai.errors import (
     OVERLOAD_STATUS_ENV,
     overload_status_from_env,
 )
+from extproc.settings_table import (
+    ErrorStyle,
+    Number,
+    SettingsTable,
+    Whole,
+    invalid,
+    lower,
+    option,
+    stripped,
+    upper,
+    whole,
+)
+from extproc.settings_table import SettingsError as SettingsError  # raised by load_settings
 
 RouterMode = Literal["kv", "round-robin", "random"]
 TtftSource = Literal["gateway", "engine"]
@@ -55,22 +55,7 @@ ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 ADMISSION_CONTROL_CHOICES: tuple[str, ...] = get_args(AdmissionControl)
 _DISABLED = ("", "none", "None")
-_INT = re.compile(r"^\+?[0-9]+$")
 _ZMQ = re.compile(r"^(tcp|ipc|inproc)://.+")
-
-# --help groups, in order: key -> title
-GROUPS = {
-    "busy": "busy thresholds (per model; defaults for new models)",
-    "router": "router",
-    "listen": "listeners",
-    "events": "worker load events (ZeroMQ)",
-    "replicas": "replicas (share in-flight estimates and threshold changes; docs/replicas.md)",
-    "logging": "logging",
-}
-
-
-class SettingsError(ValueError):
-    """An invalid setting; the message names the flag or variable and the value."""
 
 
 def load_class_table(path: str) -> ClassTable:
@@ -134,30 +119,13 @@ class OverloadStatus(NamedTuple):
     warning: str | None = None
 
 
-# value shapes, applied before pydantic's type and bound checks -------------------
-
-
-def _invalid() -> PydanticCustomError:
-    # shown as the setting's own "expected ..." text
-    return PydanticCustomError("invalid", "invalid value")
-
-
-def _text(v: Any) -> Any:
-    return v.strip() if isinstance(v, str) else v
+# value shapes of the router's own, applied before pydantic's type and bound checks -----
 
 
 def _off(v: Any) -> Any:
     """'None', 'none', empty or blank: the setting is off."""
-    v = _text(v)
+    v = stripped(v)
     return None if v is None or v in _DISABLED else v
-
-
-def _whole(v: Any) -> Any:
-    """Digits only (an optional '+'): no '1.0', '1e3' or '1_000'."""
-    v = _text(v)
-    if isinstance(v, bool) or (isinstance(v, str) and not _INT.match(v)):
-        raise _invalid()
-    return int(v) if isinstance(v, str) else v
 
 
 def _flag_bool(v: Any) -> Any:
@@ -168,7 +136,7 @@ def _flag_bool(v: Any) -> Any:
         return True
     if text in ("0", "false", "no", "off", "", "none"):
         return False
-    raise _invalid()
+    raise invalid()
 
 
 def _items(v: Any) -> list[str]:
@@ -210,89 +178,37 @@ def _overload(v: Any) -> OverloadStatus:
     return OverloadStatus(*overload_status_from_env({OVERLOAD_STATUS_ENV: str(v)}))
 
 
-def _lower(v: Any) -> Any:
-    return v.strip().lower() if isinstance(v, str) else v
-
-
-def _upper(v: Any) -> Any:
-    return v.strip().upper() if isinstance(v, str) else v
-
-
 def _opt_whole(v: Any) -> Any:
-    return None if _off(v) is None else _whole(v)
+    return None if _off(v) is None else whole(v)
 
 
-Number = Annotated[float, BeforeValidator(_text)]
-Whole = Annotated[int, BeforeValidator(_whole)]
 OptNumber = Annotated[float | None, BeforeValidator(_off)]
 OptWhole = Annotated[int | None, BeforeValidator(_opt_whole)]
 Items = Annotated[list[str], NoDecode, BeforeValidator(_items)]
 
 
-def setting(
-    default: Any,
-    flag: str | None,
-    env: str,
-    group: str,
-    help: str,
-    *,
-    expected: str,
-    metavar: str | None = None,
-    action: Literal["append", "toggle"] | None = None,
-    **bounds: Any,
-) -> Any:
-    """One row of the settings table: a pydantic Field carrying its flag and --help text.
-
-    ``env`` is the variable pydantic-settings reads; ``flag`` None means env only;
-    ``metavar`` names the value's unit in ``--help`` (SECONDS, TOKENS, FRACTION, ...);
-    ``expected`` is what an error says a valid value looks like; ``bounds`` are
-    pydantic Field constraints (ge, le, gt, allow_inf_nan).
-    """
-    extra: JsonDict = {
-        "flag": flag,
-        "env": env,
-        "group": group,
-        "expected": expected,
-        "metavar": metavar,
-        "action": action,
-    }
-    if callable(default):
-        return Field(
-            default_factory=default,
-            validation_alias=env,
-            description=help,
-            json_schema_extra=extra,
-            **bounds,
-        )
-    return Field(default, validation_alias=env, description=help, json_schema_extra=extra, **bounds)
+def setting(default: Any, flag: str | None, env: str, group: str, help: str, **more: Any) -> Any:
+    """One row of the settings table: :func:`extproc.settings_table.option` with the variable
+    third, as every setting of the service has one (``flag`` None means env only)."""
+    return option(default, flag, group, help, env=env, **more)
 
 
-_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar(
-    "extproc_settings_environ", default=None
-)
-
-
-class _Environment(EnvSettingsSource):
-    """pydantic-settings' environment source over a given mapping (os.environ by default)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        self._environ = environ
-        super().__init__(settings_cls)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return self._environ  # names are case-sensitive; empty values are kept
-
-
-class Settings(BaseSettings):
+class Settings(SettingsTable):
     """Validated, immutable configuration of the extproc service: the table of settings."""
 
-    model_config = SettingsConfigDict(
-        frozen=True,
-        extra="ignore",
-        populate_by_name=True,
-        case_sensitive=True,
-        env_ignore_empty=False,
-    )
+    GROUPS: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "busy": ("busy thresholds (per model; defaults for new models)", None),
+        "router": ("router", None),
+        "listen": ("listeners", None),
+        "events": ("worker load events (ZeroMQ)", None),
+        "replicas": (
+            "replicas (share in-flight estimates and threshold changes; docs/replicas.md)",
+            None,
+        ),
+        "logging": ("logging", None),
+    }
+    BLANK_IS_UNSET = False  # an empty variable turns a threshold off
+    ERRORS = ErrorStyle("invalid {where} value {value}: {reason}", every=True)
 
     # busy thresholds ------------------------------------------------------------------
     active_decode_blocks_threshold: OptNumber = setting(
@@ -359,7 +275,7 @@ class Settings(BaseSettings):
         le=float(MAX_TARGET_MS),
         allow_inf_nan=False,
     )
-    ttft_source: Annotated[TtftSource, BeforeValidator(_text)] = setting(
+    ttft_source: Annotated[TtftSource, BeforeValidator(stripped)] = setting(
         "gateway",
         "--ttft-source",
         "EXTPROC_TTFT_SOURCE",
@@ -397,7 +313,7 @@ class Settings(BaseSettings):
     )
 
     # router ---------------------------------------------------------------------------
-    router_mode: Annotated[RouterMode, BeforeValidator(_text)] = setting(
+    router_mode: Annotated[RouterMode, BeforeValidator(stripped)] = setting(
         "kv",
         "--router-mode",
         "DYN_ROUTER_MODE",
@@ -472,7 +388,7 @@ class Settings(BaseSettings):
         metavar="FILE",
         expected="a YAML file of request classes",
     )
-    admission_control: Annotated[AdmissionControl | None, BeforeValidator(_text)] = setting(
+    admission_control: Annotated[AdmissionControl | None, BeforeValidator(stripped)] = setting(
         None,
         "--admission-control",
         "DYN_ADMISSION_CONTROL",
@@ -503,7 +419,7 @@ class Settings(BaseSettings):
         ge=0,
         le=65535,
     )
-    grpc_server: Annotated[GrpcServerKind, BeforeValidator(_lower)] = setting(
+    grpc_server: Annotated[GrpcServerKind, BeforeValidator(lower)] = setting(
         "builtin",
         "--grpc-server",
         "EXTPROC_GRPC_SERVER",
@@ -513,7 +429,7 @@ class Settings(BaseSettings):
         metavar="{builtin,grpcio}",
         expected=f"one of {', '.join(GRPC_SERVERS)}",
     )
-    protocol: Annotated[Protocol, BeforeValidator(_lower)] = setting(
+    protocol: Annotated[Protocol, BeforeValidator(lower)] = setting(
         "envoy",
         "--protocol",
         "EXTPROC_PROTOCOL",
@@ -525,7 +441,7 @@ class Settings(BaseSettings):
         metavar="{envoy,epp}",
         expected=f"one of {', '.join(PROTOCOLS)}",
     )
-    epp_fallbacks: Annotated[int, BeforeValidator(_whole)] = setting(
+    epp_fallbacks: Annotated[int, BeforeValidator(whole)] = setting(
         0,
         "--epp-fallbacks",
         "EXTPROC_EPP_FALLBACKS",
@@ -702,7 +618,7 @@ class Settings(BaseSettings):
     )
 
     # logging --------------------------------------------------------------------------
-    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = setting(
+    log_level: Annotated[LogLevel, BeforeValidator(upper)] = setting(
         "INFO",
         "--log-level",
         "EXTPROC_LOG_LEVEL",
@@ -711,22 +627,6 @@ class Settings(BaseSettings):
         metavar="LEVEL",
         expected="DEBUG, INFO, WARNING or ERROR",
     )
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # flags (passed as init values) over the environment; no .env or secret files
-        environ = _ENVIRON.get()
-        return (
-            init_settings,
-            _Environment(settings_cls, os.environ if environ is None else environ),
-        )
 
     @field_validator("event_curve_secret_key", mode="before")
     @classmethod
@@ -864,95 +764,34 @@ class Settings(BaseSettings):
         return warnings
 
 
-def _table() -> dict[str, dict[str, Any]]:
-    """Field name -> its row (flag, env, group, expected, metavar, action, help)."""
-    rows = {}
-    for name, field in Settings.model_fields.items():
-        extra = field.json_schema_extra
-        assert isinstance(extra, dict)
-        rows[name] = {**extra, "help": field.description}
-    return rows
-
-
-TABLE = _table()
+# --help groups, in order: key -> title
+GROUPS = {key: title for key, (title, _) in Settings.GROUPS.items()}
+# field name -> its row (flag, env, group, expected, metavar, action, help, ...)
+TABLE = Settings.rows()
 # name -> (flag, env var) of every setting that has a flag
 SETTING_NAMES: dict[str, tuple[str, str]] = {
     name: (row["flag"], row["env"]) for name, row in TABLE.items() if row["flag"]
 }
-
-
-_ACTIONS: dict[str, Any] = {"append": "append", "toggle": argparse.BooleanOptionalAction}
+DESCRIPTION = (
+    "Envoy external processor that rejects requests with 529 when every LLM worker "
+    "is busy and otherwise routes each request to a free worker. Every flag also "
+    "reads the environment variable shown; a flag wins over its variable. "
+    "Thresholds are off until given; 'None' or an empty value turns one off."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, generated from the settings table."""
-    parser = argparse.ArgumentParser(
-        prog="python -m extproc",
-        description=(
-            "Envoy external processor that rejects requests with 529 when every LLM worker "
-            "is busy and otherwise routes each request to a free worker. Every flag also "
-            "reads the environment variable shown; a flag wins over its variable. "
-            "Thresholds are off until given; 'None' or an empty value turns one off."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argparse.SUPPRESS,
+    return Settings.build_parser(
+        "python -m extproc", DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    groups = {}
-    for key, title in GROUPS.items():
-        env_only = [
-            f"{row['env']} (env only): {row['help']}"
-            for row in TABLE.values()
-            if row["group"] == key and not row["flag"]
-        ]
-        groups[key] = parser.add_argument_group(title, "\n".join(env_only) or None)
-    for name, row in TABLE.items():
-        if not row["flag"]:
-            continue
-        kw: dict[str, Any] = {"dest": name, "help": f"{row['help']} [env {row['env']}]"}
-        if row["metavar"]:
-            kw["metavar"] = row["metavar"]
-        if row["action"]:
-            kw["action"] = _ACTIONS[row["action"]]
-        groups[row["group"]].add_argument(row["flag"], **kw)
-    return parser
 
 
 def load_settings(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
     """Parse flags over the environment; raise SettingsError on any invalid value."""
-    env = os.environ if environ is None else environ
-    flags = vars(build_parser().parse_args(argv))
-    token = _ENVIRON.set(env)
-    try:
-        return Settings(**flags)
-    except ValidationError as exc:
-        raise SettingsError(_describe(exc, flags, env)) from None
-    finally:
-        _ENVIRON.reset(token)
-
-
-def _describe(exc: ValidationError, flags: Mapping[str, Any], env: Mapping[str, str]) -> str:
-    """'invalid <flag or variable> value <value>: <what was expected>', one per problem."""
-    by_key = {row["env"]: name for name, row in TABLE.items()} | {n: n for n in TABLE}
-    problems = []
-    for err in exc.errors():
-        name = by_key.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "?"
-        row = TABLE.get(name)
-        if row is None:
-            problems.append(str(err["msg"]).removeprefix("Value error, "))
-            continue
-        where, raw = (
-            (row["flag"], flags[name]) if name in flags else (row["env"], env.get(row["env"]))
-        )
-        if err["type"] == "value_error":
-            msg = str(err["msg"]).removeprefix("Value error, ")
-        else:
-            msg = f"expected {row['expected']}"
-        problem = f"invalid {where} value {raw!r}: {msg}"
-        if problem not in problems:
-            problems.append(problem)
-    return "; ".join(problems)
+    return Settings.read(vars(build_parser().parse_args(argv)), environ)
 
 
 def all_startup_warnings(settings: Settings) -> list[str]:

@@ -28,7 +28,7 @@ from llmworker.admission import (
     QUEUE_LIMIT_ENV,
     AdmissionSettings,
 )
-from llmworker.settings import Number, option
+from llmworker.settings import Number, option, upper
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -72,10 +72,6 @@ def event_endpoint(text: str) -> str:
     """``HOST:PORT`` as config events carry it (IPv6 host in brackets)."""
     parse_endpoint(text)  # ValueError naming the value
     return text
-
-
-def _upper(v: Any) -> Any:
-    return v.strip().upper() if isinstance(v, str) else v
 
 
 ZmqEndpoint = Annotated[str, AfterValidator(zmq_endpoint)]
@@ -131,7 +127,7 @@ class WorkerFlags(AdmissionSettings):
         expected="a finite number >= 0",
         ge=0,
     )
-    log_level: Annotated[LogLevel, BeforeValidator(_upper)] = option(
+    log_level: Annotated[LogLevel, BeforeValidator(upper)] = option(
         "INFO",
         "--log-level",
         "logging",

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Plane -> the planes it may import. Events in -> core -> handlers -> transport; admin and
 # metrics read the core. The entry point, the wiring and the settings may import anything
-# of the router; nothing of the router may import llmworker.
+# of the router; nothing of the router may import llmworker. The settings-table machinery
+# (flags over environment variables) serves the router and llmworker alike, so it imports
+# nothing of either.
 ALLOWED: dict[str, set[str]] = {
     "extproc.core": {"extproc.core"},
     "extproc.openai": {"extproc.openai"},
@@ -24,7 +26,14 @@ ALLOWED: dict[str, set[str]] = {
     "extproc.admin": {"extproc.admin", "extproc.core", "extproc.metrics", "extproc.openai"},
     "extproc.devstack": {"extproc.devstack", "extproc.events", "extproc.core"},
     "extproc": {"extproc"},  # __main__, service, settings: the wiring
-    "llmworker": {"llmworker", "extproc.events", "extproc.openai", "extproc.core.endpoint"},
+    "extproc.settings_table": set(),
+    "llmworker": {
+        "llmworker",
+        "extproc.events",
+        "extproc.openai",
+        "extproc.core.endpoint",
+        "extproc.settings_table",
+    },
 }
 # Third-party or standard modules the pure core must not use: no I/O, no protobuf, no loop.
 FLAT = {"extproc", "extproc.__main__", "extproc.service", "extproc.settings"}
@@ -108,6 +117,10 @@ def test_the_checker_catches_a_wrong_import() -> None:
     assert not _within("llmworker.sim", ALLOWED[_plane("extproc.devstack.procs")])
     assert _plane("extproc.service") == "extproc"
     assert _within("extproc.events.schema", ALLOWED["llmworker"])
+    assert _within("extproc.settings_table", ALLOWED["llmworker"])
+    assert not _within("extproc.settings", ALLOWED["llmworker"])
+    assert _plane("extproc.settings_table") == "extproc.settings_table"
+    assert not _within("extproc.core.busy", ALLOWED["extproc.settings_table"])
     assert len(SOURCES) > 30
     assert len(POOL_AND_BELOW) == len(CORE_BELOW_POOL) + 1
     assert not _within("extproc.core.scheduling", CORE_BELOW_POOL)

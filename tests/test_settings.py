@@ -337,6 +337,9 @@ def test_errors_name_source_value_and_expectation(
 def test_unrelated_and_lowercase_env_names_are_ignored() -> None:
     s = load_settings([], {"dyn_router_mode": "random", "EXTPROC_UNKNOWN": "1"})
     assert s.router_mode == "kv"
+    # a setting's attribute name is not a variable either
+    s = load_settings([], {"grpc_port": "x", "worker_ttl": "x", "router_mode": "random"})
+    assert (s.grpc_port, s.worker_ttl, s.router_mode) == (9002, 10.0, "kv")
 
 
 def test_every_setting_has_one_row_with_env_help_and_group() -> None:
