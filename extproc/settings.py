@@ -32,6 +32,7 @@ from extproc.openai.errors import (
 )
 from extproc.settings_table import (
     ErrorStyle,
+    LogLevel,
     Number,
     SettingsTable,
     Whole,
@@ -39,7 +40,6 @@ from extproc.settings_table import (
     lower,
     option,
     stripped,
-    upper,
     whole,
 )
 from extproc.settings_table import SettingsError as SettingsError  # raised by load_settings
@@ -49,7 +49,6 @@ TtftSource = Literal["gateway", "engine"]
 GrpcServerKind = Literal["builtin", "grpcio"]
 Protocol = Literal["envoy", "epp"]
 AdmissionControl = Literal["none", "token-capacity"]
-LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 GRPC_SERVERS: tuple[str, ...] = get_args(GrpcServerKind)
 ROUTER_MODES: tuple[str, ...] = get_args(RouterMode)
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
@@ -618,7 +617,7 @@ class Settings(SettingsTable):
     )
 
     # logging --------------------------------------------------------------------------
-    log_level: Annotated[LogLevel, BeforeValidator(upper)] = setting(
+    log_level: LogLevel = setting(
         "INFO",
         "--log-level",
         "EXTPROC_LOG_LEVEL",

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Self
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Self, get_args
 
 from pydantic import BeforeValidator, Field, ValidationError
 from pydantic.json_schema import JsonDict
@@ -76,6 +76,8 @@ def whole(v: Any) -> Any:
 
 Whole = Annotated[int, BeforeValidator(whole)]
 Number = Annotated[float, BeforeValidator(stripped), Field(allow_inf_nan=False)]  # finite
+LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(upper)]
+LOG_LEVELS: tuple[str, ...] = get_args(get_args(LogLevel)[0])
 
 
 # the rows -----------------------------------------------------------------------------

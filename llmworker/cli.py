@@ -13,10 +13,10 @@ import logging
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Annotated, Any, ClassVar, Literal, NoReturn, Protocol
+from typing import Annotated, Any, ClassVar, NoReturn, Protocol
 
 import zmq
-from pydantic import AfterValidator, BeforeValidator, model_validator
+from pydantic import AfterValidator, model_validator
 
 from extproc.core.endpoint import parse_endpoint
 from extproc.events.curve import CurveClient, CurveKeyError
@@ -28,10 +28,8 @@ from llmworker.admission import (
     QUEUE_LIMIT_ENV,
     AdmissionSettings,
 )
-from llmworker.settings import Number, option, upper
+from llmworker.settings import LOG_LEVELS, LogLevel, Number, option
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ADMISSION_ENV_HELP = (
     f"Queue size Q comes from {QUEUE_LIMIT_ENV} (default {DEFAULT_QUEUE_LIMIT}, "
@@ -127,7 +125,7 @@ class WorkerFlags(AdmissionSettings):
         expected="a finite number >= 0",
         ge=0,
     )
-    log_level: Annotated[LogLevel, BeforeValidator(upper)] = option(
+    log_level: LogLevel = option(
         "INFO",
         "--log-level",
         "logging",

@@ -17,18 +17,21 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 
 from extproc.settings_table import (
+    LOG_LEVELS,
     ErrorStyle,
+    LogLevel,
     Number,
     SettingsError,
     SettingsTable,
     Whole,
     option,
     stripped,
-    upper,
     whole,
 )
 
 __all__ = [
+    "LOG_LEVELS",
+    "LogLevel",
     "Number",
     "OptNumber",
     "OptWhole",
@@ -36,7 +39,6 @@ __all__ = [
     "Whole",
     "WorkerSettings",
     "option",
-    "upper",
 ]
 
 # None (unset) or a value: unlike the router's thresholds, 'none' or '' is not a value here
