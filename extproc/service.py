@@ -18,6 +18,7 @@ from extproc.admin.state import RuntimeState, StateFileError
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, ClassTable
+from extproc.core.latency import LatencyControl
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
@@ -76,6 +77,8 @@ def build_pool(settings: Settings) -> WorkerPool:
             settings.active_decode_blocks_threshold,
             settings.active_prefill_tokens_threshold,
             settings.active_prefill_tokens_threshold_frac,
+            settings.ttft_p99_target_ms,
+            settings.itl_p99_target_ms,
         ),
         kv_mode=settings.kv_mode,
         track_output_blocks=settings.router_track_output_blocks,
@@ -98,6 +101,28 @@ async def _sweep(pool: WorkerPool, peers: PeerEstimates | None, interval: float)
         if peers is not None:
             for rid in peers.expire():
                 log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
+
+
+# The latency controller's period: one move per second at most, each judged on the
+# samples of the requests dispatched since the previous one (docs/latency-target.md).
+LATENCY_TICK_SECONDS = 1.0
+
+
+async def _control_latency(control: LatencyControl, interval: float) -> None:
+    """Move the limits of the workers of models with a latency target; one log line per
+    change of direction of a worker's limit, not per step."""
+    while True:
+        await asyncio.sleep(interval)
+        for turn in control.tick():
+            log.info(
+                "latency limit of worker %s (%s%s) now %s: x%.2f of its thresholds; %s",
+                turn.worker_id,
+                turn.model,
+                f", class {turn.request_class}" if turn.request_class else "",
+                "falling" if turn.direction < 0 else "rising",
+                turn.scale,
+                turn.reason,
+            )
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -135,6 +160,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
+    latency = LatencyControl(pool, classes=classes)
+    metrics.watch_latency(latency)
     if settings.state_file:
         state = RuntimeState(settings.state_file, pool, classes)
         try:
@@ -145,7 +172,9 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
             log.info("%d runtime change(s) applied from %s", applied, settings.state_file)
         state.watch()
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
-    runner = web.AppRunner(build_app(pool, metrics, readiness, auth, classes), access_log=None)
+    runner = web.AppRunner(
+        build_app(pool, metrics, readiness, auth, classes, latency), access_log=None
+    )
     await runner.setup()
     parts.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, settings.admin_host, settings.admin_port)
@@ -204,6 +233,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         queue=queue,
         tokenizer=tokenizer,
         classes=classes,
+        latency=latency,
     )
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:
@@ -245,6 +275,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     interval = min(0.5, settings.worker_ttl / 10, settings.replica_ttl / 4)
     sweeper = asyncio.create_task(_sweep(pool, peers, interval))
     parts.callback(sweeper.cancel)
+    controller = asyncio.create_task(_control_latency(latency, LATENCY_TICK_SECONDS))
+    parts.callback(controller.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
         "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; worker busy "

@@ -35,7 +35,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from extproc.core.busy import MAX_TOKEN_THRESHOLD
+from extproc.core.busy import MAX_TARGET_MS, MAX_TOKEN_THRESHOLD
 from extproc.core.classes import ClassConfigError, ClassTable, parse_table
 from extproc.core.loopback import is_loopback_host
 from extproc.openai.errors import (
@@ -326,6 +326,34 @@ class Settings(BaseSettings):
         metavar="MULTIPLE",
         expected="a number >= 0 (may exceed 1), or None to disable",
         ge=0.0,
+        allow_inf_nan=False,
+    )
+    ttft_p99_target_ms: OptNumber = setting(
+        None,
+        "--ttft-p99-target-ms",
+        "EXTPROC_TTFT_P99_TARGET_MS",
+        "busy",
+        "time-to-first-token p99 to hold, in ms, for every model: the thresholds become a "
+        "ceiling and a controller per worker lowers its limits below it while the measured "
+        "p99 is above the target (docs/latency-target.md). Default: off",
+        metavar="MS",
+        expected=f"milliseconds in (0, {MAX_TARGET_MS}], or None to disable",
+        gt=0.0,
+        le=float(MAX_TARGET_MS),
+        allow_inf_nan=False,
+    )
+    itl_p99_target_ms: OptNumber = setting(
+        None,
+        "--itl-p99-target-ms",
+        "EXTPROC_ITL_P99_TARGET_MS",
+        "busy",
+        "inter-token-latency p99 to hold, in ms (the mean gap between a streamed response's "
+        "tokens, per request), for every model; with a TTFT target too, the more cautious "
+        "wins. Default: off",
+        metavar="MS",
+        expected=f"milliseconds in (0, {MAX_TARGET_MS}], or None to disable",
+        gt=0.0,
+        le=float(MAX_TARGET_MS),
         allow_inf_nan=False,
     )
     overload: Annotated[OverloadStatus, NoDecode, BeforeValidator(_overload)] = setting(

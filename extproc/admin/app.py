@@ -14,6 +14,7 @@ from extproc.admin.series import StatusCollector
 from extproc.admin.status import add_routes as add_status_routes
 from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.core.classes import ClassRegistry
+from extproc.core.latency import LatencyControl
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import Metrics
 
@@ -37,6 +38,7 @@ def build_app(
     readiness: Readiness,
     auth: AdminAuth | None = None,
     classes: ClassRegistry | None = None,
+    latency: LatencyControl | None = None,
 ) -> web.Application:
     app = web.Application(middlewares=[auth_middleware(auth or AdminAuth())])
 
@@ -59,7 +61,7 @@ def build_app(
 
     async def debug_workers(_: web.Request) -> web.Response:
         names = classes.table.variant_names() if classes is not None else None
-        return web.json_response(workers_view(pool, names, metrics))
+        return web.json_response(workers_view(pool, names, metrics, latency))
 
     app.router.add_get("/debug/workers", debug_workers)
     app.router.add_get("/health", health)
@@ -68,6 +70,6 @@ def build_app(
     add_threshold_routes(app, pool)
     if classes is not None:
         add_class_routes(app, classes)
-    add_status_routes(app, pool, metrics)
+    add_status_routes(app, pool, metrics, latency)
     metrics.registry.register(StatusCollector(pool))
     return app

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC
+from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES
+from extproc.core.latency import LatencyControl
 from extproc.core.pool import Rank, Worker, WorkerPool
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 
@@ -35,7 +36,9 @@ def _inactive(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[
     if th.active_prefill_tokens_frac is not None and not worker.max_num_batched_tokens:
         out[PREFILL_FRAC] = "no max_num_batched_tokens in the worker's config"
     configured = [
-        name for name, value in th.as_dict().items() if value is not None and name not in out
+        name
+        for name, value in th.as_dict().items()
+        if value is not None and name in THRESHOLD_NAMES and name not in out
     ]
     if configured:
         if rank.reported_at is None and not rank.inflight:
@@ -104,8 +107,14 @@ def _by_class(worker: Worker, names: list[str]) -> dict[str, Any] | None:
 
 
 def worker_view(
-    pool: WorkerPool, worker: Worker, now: float, class_names: list[str] | None = None
+    pool: WorkerPool,
+    worker: Worker,
+    now: float,
+    class_names: list[str] | None = None,
+    latency: LatencyControl | None = None,
 ) -> dict[str, Any]:
+    """One worker; with a latency target on its model, ``latency_control`` says the
+    multiplier on its thresholds (``limit``), why, and whether the target is unreachable."""
     ranks = [_rank(pool, worker, r, now) for r in worker.ranks]
     state = worker.state(now) if worker.configured else "not_routable"
     if state == "busy":
@@ -125,7 +134,7 @@ def worker_view(
         why = "no load data at all: a worker without data is free"
     else:
         why = "at least one rank with load data is free"
-    return {
+    view = {
         "worker_id": worker.worker_id,
         "model": worker.model or None,
         "endpoint": worker.endpoint or None,
@@ -143,6 +152,14 @@ def worker_view(
         "classes": _by_class(worker, class_names or []),
         "ranks": ranks,
     }
+    control = latency.view(worker) if latency is not None and worker.model else None
+    if control is not None:
+        view["latency_control"] = control
+        if state == "busy" and worker.latency_scale < 1.0:
+            view["why"] = f"{why} (limits at x{worker.latency_scale:g} of the thresholds: " + (
+                f"{control['why']})"
+            )
+    return view
 
 
 def output_tracking(pool: WorkerPool, metrics: Metrics | None) -> dict[str, Any]:
@@ -172,7 +189,10 @@ def output_tracking(pool: WorkerPool, metrics: Metrics | None) -> dict[str, Any]
 
 
 def workers_view(
-    pool: WorkerPool, class_names: list[str] | None = None, metrics: Metrics | None = None
+    pool: WorkerPool,
+    class_names: list[str] | None = None,
+    metrics: Metrics | None = None,
+    latency: LatencyControl | None = None,
 ) -> dict[str, Any]:
     """``class_names``: a label per class variant, when request classes are configured."""
     now = pool.clock()
@@ -182,5 +202,5 @@ def workers_view(
         "output_tracking": output_tracking(pool, metrics),
         "worker_ttl_s": pool.worker_ttl,
         "counts": pool.counts(),
-        "workers": [worker_view(pool, w, now, class_names) for w in pool.workers.values()],
+        "workers": [worker_view(pool, w, now, class_names, latency) for w in pool.workers.values()],
     }

@@ -54,6 +54,8 @@ class RuntimeState:
                     values["active_decode_blocks_threshold"],
                     values["active_prefill_tokens_threshold"],
                     values["active_prefill_tokens_threshold_frac"],
+                    values.get("ttft_p99_target_ms"),
+                    values.get("itl_p99_target_ms"),
                 )
             except (KeyError, TypeError) as exc:
                 raise StateFileError(f"{self.path}: thresholds.{model}: {exc!r}") from None

@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from extproc.admin.diagnostics import STALE_LOAD_SECONDS, output_tracking, worker_view
+from extproc.core.latency import LatencyControl
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import DECISION_OUTCOMES, Metrics
 from extproc.openai.errors import overload_status_from_env
@@ -105,14 +106,37 @@ def _display_state(worker: dict[str, Any], stale_after: float) -> tuple[str, str
     return state, why
 
 
+def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict[str, Any]]:
+    """Per model with a latency target: the target, the measured p99, the mean multiplier
+    and the workers whose target is unreachable at the floor."""
+    if latency is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for model, measured, mean in latency.models():
+        th = pool.thresholds_for(model)
+        unreachable = [w.worker_id for w in pool.by_model.get(model, ()) if latency.unreachable(w)]
+        out[model] = {
+            "ttft_p99_target_ms": th.ttft_p99_target_ms,
+            "itl_p99_target_ms": th.itl_p99_target_ms,
+            "ttft_p99_ms": None if measured is None else round(measured * 1000, 1),
+            "limit": round(mean, 4),
+            "target_unreachable": unreachable,
+        }
+    return out
+
+
 def status_view(
-    pool: WorkerPool, metrics: Metrics, history: DecisionHistory, overload_status: int
+    pool: WorkerPool,
+    metrics: Metrics,
+    history: DecisionHistory,
+    overload_status: int,
+    latency: LatencyControl | None = None,
 ) -> dict[str, Any]:
     now = pool.clock()
     stale_after = min(STALE_LOAD_SECONDS, pool.worker_ttl / 2)
     workers = []
     for w in pool.workers.values():
-        view = worker_view(pool, w, now)
+        view = worker_view(pool, w, now, None, latency)
         view["display_state"], view["display_why"] = _display_state(view, stale_after)
         workers.append(view)
     fam = _families(
@@ -136,21 +160,23 @@ def status_view(
         if s.name.endswith("_total")
     }
     lost = sum(int(s.value) for s in fam["extproc_events_lost"] if s.name.endswith("_total"))
+    targets = _latency(pool, latency)
     models = []
     for model in pool.models():
         members = [v for v in workers if v["model"] == model]
         states = [v["display_state"] for v in members if v["state"] != "not_routable"]
-        models.append(
-            {
-                "model": model,
-                "thresholds": pool.thresholds_for(model).as_dict(),
-                "workers": len(members),
-                # What a request for this model gets now: the overload reply when every
-                # routable worker is busy or marked overloaded.
-                "overloaded": bool(states) and all(s in ("busy", "overloaded") for s in states),
-                "router_queue_depth": depth.get(model, 0),
-            }
-        )
+        entry = {
+            "model": model,
+            "thresholds": pool.thresholds_for(model).as_dict(),
+            "workers": len(members),
+            # What a request for this model gets now: the overload reply when every
+            # routable worker is busy or marked overloaded.
+            "overloaded": bool(states) and all(s in ("busy", "overloaded") for s in states),
+            "router_queue_depth": depth.get(model, 0),
+        }
+        if model in targets:  # only with a latency target: the entry is unchanged without
+            entry["latency"] = targets[model]
+        models.append(entry)
     return {
         "now": round(time.time(), 3),
         "overload_status": overload_status,
@@ -176,7 +202,12 @@ def page_html() -> bytes:
     return resources.files("extproc.admin").joinpath(PAGE).read_bytes()
 
 
-def add_routes(app: web.Application, pool: WorkerPool, metrics: Metrics) -> None:
+def add_routes(
+    app: web.Application,
+    pool: WorkerPool,
+    metrics: Metrics,
+    latency: LatencyControl | None = None,
+) -> None:
     """``GET /status``, ``GET /status.json`` and ``GET /`` (redirects to ``/status``)."""
     history = DecisionHistory(metrics)
     overload_status, _ = overload_status_from_env()
@@ -192,7 +223,7 @@ def add_routes(app: web.Application, pool: WorkerPool, metrics: Metrics) -> None
 
     async def data(_: web.Request) -> web.Response:
         return web.json_response(
-            status_view(pool, metrics, history, overload_status),
+            status_view(pool, metrics, history, overload_status, latency),
             headers={"Cache-Control": "no-store"},
         )
 

@@ -13,13 +13,16 @@ Checks run in this order, the first failure answers:
    the wrong type (string or bool for a number; for the token threshold anything but an
    unsigned 64-bit integer: a float, a negative number, a number above 2^64-1, as in
    Dynamo); ``disable`` not a list of threshold names, or naming a threshold also given
-   a value;
+   a value; a latency target that is not a number of milliseconds in (0, 600000];
 4. 400 a value out of range (decode outside [0, 1], fraction negative or not finite);
 5. 404 a change for a model no worker serves.
 
 ``NaN``, ``Infinity`` and ``-Infinity`` tokens (which Python's ``json`` accepts) and numbers
 too large for a float (``1e999``) are read as non-finite numbers: out of range (400) for
-the two fractional thresholds, a wrong type (422) for the token threshold.
+the two fractional thresholds, a wrong type (422) for the token threshold and the targets.
+
+The latency targets (``ttft_p99_target_ms``, ``itl_p99_target_ms``) are set, turned off and
+shown like the thresholds; an entry carries a target key only while it is set.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from aiohttp import web
 from extproc.admin.routes import BodyUnreadable, add_read_write, json_error, read_body
 from extproc.core.busy import (
     DECODE,
+    MAX_TARGET_MS,
     MAX_TOKEN_THRESHOLD,
     PREFILL,
     PREFILL_FRAC,
+    TARGET_NAMES,
     THRESHOLD_NAMES,
     BusyThresholds,
 )
@@ -48,7 +53,10 @@ _FIELD_FOR = {
     DECODE: "active_decode_blocks",
     PREFILL: "active_prefill_tokens",
     PREFILL_FRAC: "active_prefill_tokens_frac",
+    **{name: name for name in TARGET_NAMES},
 }
+SETTABLE = THRESHOLD_NAMES + TARGET_NAMES
+TARGET_EXPECTED = f"a number of milliseconds in (0, {MAX_TARGET_MS}]"
 _SHOWN_CHARS = 80
 _ALL_OFF = BusyThresholds()
 
@@ -133,7 +141,15 @@ def decode_body(content_type: str | None, raw: bytes) -> object:
 
 
 def _check_type(name: str, value: object) -> None:
-    if name == PREFILL:
+    if name in TARGET_NAMES:
+        # A target is a positive duration: anything else, out of range too, is a 422.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value <= MAX_TARGET_MS  # NaN fails both comparisons
+        ):
+            raise _wrong_type(name, value, TARGET_EXPECTED)
+    elif name == PREFILL:
         # Not an unsigned 64-bit integer is a type error, as in Dynamo (422), above 2^64-1 too.
         if (
             isinstance(value, bool)
@@ -148,9 +164,11 @@ def _check_type(name: str, value: object) -> None:
 
 
 def _check_range(name: str, value: float | int) -> float | int:
-    """The value as stored (floats for the fractional thresholds), or a 400."""
+    """The value as stored (floats for the fractional thresholds and targets), or a 400."""
     if name == PREFILL:
         return value
+    if name in TARGET_NAMES:
+        return float(value)
     if name == DECODE:
         if not 0 <= value <= 1:  # NaN fails both comparisons
             raise _out_of_range(name, value, "a number in [0, 1]")
@@ -163,7 +181,7 @@ def _check_range(name: str, value: float | int) -> float | int:
 
 
 def _parse_disable(raw: object) -> frozenset[str]:
-    expected = f"a list of threshold names ({', '.join(THRESHOLD_NAMES)})"
+    expected = f"a list of threshold or target names ({', '.join(SETTABLE)})"
     if raw is None:
         return frozenset()
     if not isinstance(raw, list):
@@ -171,7 +189,7 @@ def _parse_disable(raw: object) -> frozenset[str]:
     for item in raw:
         if not isinstance(item, str):
             raise _wrong_type(DISABLE, raw, expected)
-        if item not in THRESHOLD_NAMES:
+        if item not in SETTABLE:
             raise ThresholdUpdateError(
                 422, f"{DISABLE} names unknown threshold {_shown(item)}; expected {expected}"
             )
@@ -182,18 +200,19 @@ def parse_threshold_update(body: object) -> ThresholdUpdate:
     """Validate a decoded POST body; raise ThresholdUpdateError (422 or 400) if it is bad.
 
     Absent and null thresholds are left unchanged; ``disable: null`` is the same as no
-    ``disable``. Keys other than ``model``, the three thresholds and ``disable`` are ignored.
+    ``disable``. Keys other than ``model``, the three thresholds, the two latency targets
+    and ``disable`` are ignored.
     """
     if not isinstance(body, dict):
         raise _wrong_type("request body", body, "a JSON object")
     model = body.get("model")
     if not isinstance(model, str):
         raise _wrong_type("model", model, "a model name (string)")
-    given: dict[str, Any] = {n: body[n] for n in THRESHOLD_NAMES if body.get(n) is not None}
+    given: dict[str, Any] = {n: body[n] for n in SETTABLE if body.get(n) is not None}
     for name, value in given.items():
         _check_type(name, value)
     disable = _parse_disable(body.get(DISABLE))
-    for name in THRESHOLD_NAMES:
+    for name in SETTABLE:
         if name in disable and name in given:
             raise ThresholdUpdateError(
                 422,
@@ -205,7 +224,8 @@ def parse_threshold_update(body: object) -> ThresholdUpdate:
 
 
 def entry(model: str, thresholds: BusyThresholds) -> dict[str, Any]:
-    """One model's entry as the API shows it: all four keys, nulls included."""
+    """One model's entry as the API shows it: the four keys, nulls included, and each
+    latency target while it is set."""
     return {"model": model, **thresholds.as_dict()}
 
 

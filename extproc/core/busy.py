@@ -16,17 +16,26 @@ DECODE = "active_decode_blocks_threshold"
 PREFILL = "active_prefill_tokens_threshold"
 PREFILL_FRAC = "active_prefill_tokens_threshold_frac"
 THRESHOLD_NAMES = (DECODE, PREFILL, PREFILL_FRAC)
+# Latency targets (docs/latency-target.md): with one set, the thresholds are the ceiling
+# the latency controller scales down from.
+TTFT_TARGET = "ttft_p99_target_ms"
+ITL_TARGET = "itl_p99_target_ms"
+TARGET_NAMES = (TTFT_TARGET, ITL_TARGET)
+MAX_TARGET_MS = 600_000
 # The token threshold is an unsigned 64-bit integer, as in Dynamo.
 MAX_TOKEN_THRESHOLD = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class BusyThresholds:
-    """One model's thresholds; ``None`` = that check is off."""
+    """One model's thresholds; ``None`` = that check is off. The latency targets (ms,
+    ``None`` = none) ride along: they are set, shared and saved with the thresholds."""
 
     active_decode_blocks: float | None = None
     active_prefill_tokens: int | None = None
     active_prefill_tokens_frac: float | None = None
+    ttft_p99_target_ms: float | None = None
+    itl_p99_target_ms: float | None = None
 
     @property
     def any_set(self) -> bool:
@@ -36,12 +45,22 @@ class BusyThresholds:
             or self.active_prefill_tokens_frac is not None
         )
 
+    @property
+    def has_target(self) -> bool:
+        return self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
+
     def as_dict(self) -> dict[str, float | int | None]:
-        return {
+        """The three thresholds (nulls included), then each latency target only while set."""
+        out: dict[str, float | int | None] = {
             DECODE: self.active_decode_blocks,
             PREFILL: self.active_prefill_tokens,
             PREFILL_FRAC: self.active_prefill_tokens_frac,
         }
+        if self.ttft_p99_target_ms is not None:
+            out[TTFT_TARGET] = self.ttft_p99_target_ms
+        if self.itl_p99_target_ms is not None:
+            out[ITL_TARGET] = self.itl_p99_target_ms
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +76,18 @@ class Share:
 
 
 FULL_SHARE = Share()
+
+
+def scaled_share(share: Share, scale: float) -> Share:
+    """``share`` times the latency controller's multiplier (1 = unchanged), to 6 decimals
+    so that the limits stay exact in decimal."""
+    if scale == 1.0:
+        return share
+    return Share(
+        round(share.active_decode_blocks * scale, 6),
+        round(share.active_prefill_tokens * scale, 6),
+        round(share.active_prefill_tokens_frac * scale, 6),
+    )
 
 
 def scaled_limit(threshold: float, capacity: int, share: float = 1.0) -> int:

@@ -22,7 +22,15 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, Share
+from extproc.core.busy import (
+    DECODE,
+    ITL_TARGET,
+    MAX_TARGET_MS,
+    PREFILL,
+    PREFILL_FRAC,
+    TTFT_TARGET,
+    Share,
+)
 
 DEFAULT_HEADER = "x-request-class"
 REJECTION_STATUSES = (429, 503, 529)
@@ -43,6 +51,9 @@ SHARE_EXPECTED = f"a share in (0, {MAX_SHARE:g}], 1 = the configured limit"
 _STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 ShareValue = Annotated[float, Field(gt=0.0, le=MAX_SHARE, allow_inf_nan=False)]
+TARGET_EXPECTED = f"a number of milliseconds in (0, {MAX_TARGET_MS}], or null for none"
+# A latency target for the class's requests, in ms (docs/latency-target.md).
+TargetValue = Annotated[float, Field(gt=0.0, le=float(MAX_TARGET_MS), allow_inf_nan=False)]
 
 
 class ThresholdShares(BaseModel):
@@ -88,6 +99,8 @@ class ClassSettings(BaseModel):
     status: Literal[429, 503, 529] | None = None
     retry_after: Annotated[int, Field(ge=1, le=60)] | None = None
     large_prompt: LargePrompt | None = None
+    ttft_p99_target_ms: TargetValue | None = None
+    itl_p99_target_ms: TargetValue | None = None
 
 
 def _printable(name: str) -> str:
@@ -134,6 +147,8 @@ _EXPECTED = {
     "retry_after": "whole seconds 1-60, or null for the estimate",
     "large_prompt": "a mapping with above_tokens and share, or null",
     "above_tokens": "whole tokens >= 1",
+    TTFT_TARGET: TARGET_EXPECTED,
+    ITL_TARGET: TARGET_EXPECTED,
 }
 # The keys of each kind of mapping, and how a mapping with a key missing is described.
 _KEYS = {

@@ -42,9 +42,16 @@ class RequestClass:
     retry_after: int | None = None  # None: the estimate
     large_prompt_tokens: int | None = None
     large_prompt_share: Share | None = None
+    ttft_p99_target_ms: float | None = None
+    itl_p99_target_ms: float | None = None
+
+    @property
+    def has_target(self) -> bool:
+        return self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        """The class as the API shows it; a latency target key only while it is set."""
+        out = {
             "name": self.name,
             "priority": self.priority,
             "share": _share_dict(self.share),
@@ -57,6 +64,11 @@ class RequestClass:
                 "share": _share_dict(self.large_prompt_share),
             },
         }
+        if self.ttft_p99_target_ms is not None:
+            out["ttft_p99_target_ms"] = self.ttft_p99_target_ms
+        if self.itl_p99_target_ms is not None:
+            out["itl_p99_target_ms"] = self.itl_p99_target_ms
+        return out
 
 
 def _share_dict(share: Share) -> dict[str, float]:
@@ -145,6 +157,15 @@ class ClassTable:
             return self._large[name]
         return self._index[name]
 
+    def variant_classes(self) -> list[RequestClass]:
+        """The class of each variant index (a large-prompt share is its class's)."""
+        out = [self.classes[0]] * (len(self._index) + len(self._large))
+        for c in self.classes:
+            out[self._index[c.name]] = c
+            if c.name in self._large:
+                out[self._large[c.name]] = c
+        return out
+
     def variant_names(self) -> list[str]:
         """A label per variant index, for diagnostics: the class, or ``class/large``."""
         out = [""] * (len(self._index) + len(self._large))
@@ -168,6 +189,8 @@ def _request_class(name: str, s: ClassSettings) -> RequestClass:
         s.retry_after,
         None if lp is None else lp.above_tokens,
         None if lp is None else to_share(lp.share),
+        s.ttft_p99_target_ms,
+        s.itl_p99_target_ms,
     )
 
 

@@ -25,6 +25,7 @@ from extproc.core.busy import (
     rank_busy_reason,
     rank_limits,
     scaled_limit,
+    scaled_share,
     worker_busy,
 )
 from extproc.core.replica import Replica, Stamp, Versions
@@ -52,6 +53,7 @@ class Rank:
 
     __slots__ = (
         "busy_reason",
+        "ceilings",
         "class_limits",
         "class_reasons",
         "est_blocks",
@@ -86,6 +88,17 @@ class Rank:
         # The other request classes' limits and reasons (class 0, the default, is above).
         self.class_limits: list[RankLimits] = []
         self.class_reasons: list[str | None] = []
+        # While the latency controller scales the worker's limits down: the unscaled
+        # limits per class variant, which apply while nothing is in flight on the rank
+        # (the controller never makes an idle rank busy). None: not scaled.
+        self.ceilings: list[RankLimits] | None = None
+
+    def limits_in_force(self) -> tuple[RankLimits, list[RankLimits]]:
+        """The default class's limits and the other classes' that decide now."""
+        ceilings = self.ceilings
+        if ceilings is None or self.inflight or self.peer_inflight:
+            return self.limits, self.class_limits
+        return ceilings[0], ceilings[1:]
 
     def reason_for(self, variant: int) -> str | None:
         """The check that fires for class variant ``variant`` (an index of the pool's
@@ -131,6 +144,8 @@ class Worker:
         "last_load_at",
         "last_seen",
         "last_seq",
+        "latency_scale",
+        "latency_scales",
         "max_num_batched_tokens",
         "model",
         "overloaded_until",
@@ -163,6 +178,10 @@ class Worker:
         self.busy_by_class: list[bool] = []
         # floor(--router-queue-threshold x max_num_batched_tokens), None = never queue.
         self.queue_limit: int | None = None
+        # The latency controller's multiplier on every limit (1 = the configured ones),
+        # and per class variant where class targets set a lower one (empty: none).
+        self.latency_scale = 1.0
+        self.latency_scales: tuple[float, ...] = ()
 
     def kv_total(self, rank: Rank) -> int | None:
         return (
@@ -332,6 +351,8 @@ class WorkerPool:
         worker.configured = True
         if model not in self.thresholds:
             self.thresholds[model] = self.defaults
+        if not self.thresholds[model].has_target:
+            worker.latency_scale = 1.0
         group = self.by_model.setdefault(model, [])
         if worker not in group:
             group.append(worker)
@@ -425,6 +446,8 @@ class WorkerPool:
         versions.record(model, taken)
         self.thresholds[model] = thresholds
         for worker in self.by_model.get(model, ()):
+            if not thresholds.has_target:
+                worker.latency_scale = 1.0  # no target: the plain thresholds, at once
             self._recompute_limits(worker)
         if stamp is None:
             versions.announce(model)
@@ -438,6 +461,23 @@ class WorkerPool:
         for worker in self.workers.values():
             self._recompute_limits(worker)
 
+    def set_latency_scale(
+        self, worker: Worker, scale: float, by_variant: tuple[float, ...] = ()
+    ) -> None:
+        """The latency controller's multiplier on ``worker``'s limits, in (0, 1], and per
+        class variant (``by_variant``: a variant's own, where lower); takes effect for the
+        very next decision. A rank with nothing in flight keeps the unscaled limits
+        (:meth:`Rank.limits_in_force`)."""
+        for value in (scale, *by_variant):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"latency scale must be in (0, 1], got {value!r}")
+        if all(v >= 1.0 for v in by_variant):
+            by_variant = ()
+        if scale != worker.latency_scale or by_variant != worker.latency_scales:
+            worker.latency_scale = scale
+            worker.latency_scales = by_variant
+            self._recompute_limits(worker)
+
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(
             self.thresholds_for(worker.model),
@@ -449,15 +489,27 @@ class WorkerPool:
 
     def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
         shares = self.shares
-        rank.limits = self._limits(worker, rank, shares[0])
-        rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
+        scale = worker.latency_scale
+        by_variant = worker.latency_scales
+        if scale == 1.0 and not by_variant:
+            rank.ceilings = None
+            rank.limits = self._limits(worker, rank, shares[0])
+            rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
+            return
+        rank.ceilings = [self._limits(worker, rank, s) for s in shares]
+        scaled = [
+            self._limits(worker, rank, scaled_share(s, min((scale, *by_variant[i : i + 1]))))
+            for i, s in enumerate(shares)
+        ]
+        rank.limits, rank.class_limits = scaled[0], scaled[1:]
 
     def _recompute_limits(self, worker: Worker) -> None:
         for rank in worker.ranks:
             self._rank_all_limits(worker, rank)
+            limits, class_limits = rank.limits_in_force()
             d, p = rank.decode_blocks, rank.prefill_tokens
-            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
-            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
+            rank.busy_reason = rank_busy_reason(limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in class_limits]
         self._refresh_worker(worker)
 
     def refresh_rank(self, worker: Worker, rank: Rank) -> None:
@@ -466,12 +518,14 @@ class WorkerPool:
 
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
         if rank.class_limits:
+            limits, class_limits = rank.limits_in_force()
             d, p = rank.decode_blocks, rank.prefill_tokens
-            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
-            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
+            rank.busy_reason = rank_busy_reason(limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in class_limits]
             self._refresh_worker(worker)
             return
-        reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
+        limits = rank.limits if rank.ceilings is None else rank.limits_in_force()[0]
+        reason = rank_busy_reason(limits, rank.decode_blocks, rank.prefill_tokens)
         rank.busy_reason = reason
         if len(worker.ranks) == 1:
             # The common case, once per load event. A rank without data has no load to

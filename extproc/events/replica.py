@@ -4,9 +4,9 @@ One ZeroMQ PUB socket connects to the other replicas' event sockets (or to a for
 :mod:`extproc.events.forwarder`, that all of them connect to). It sends this replica's
 whole router estimate (``estimate``) when it changes — at most one message per
 ``min_gap`` seconds, so a burst costs a few messages, not one per request — and every
-``interval`` seconds regardless, with every threshold change made here (``thresholds``),
-so that a replica that joins later learns the current values. ``close`` says
-``replica_bye``. See docs/replicas.md.
+``interval`` seconds regardless, with every change made here of a model's thresholds and
+latency targets (``thresholds``), so that a replica that joins later learns the current
+values. ``close`` says ``replica_bye``. See docs/replicas.md.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class ReplicaPublisher:
                 active_decode_blocks_threshold=th.active_decode_blocks,
                 active_prefill_tokens_threshold=th.active_prefill_tokens,
                 active_prefill_tokens_threshold_frac=th.active_prefill_tokens_frac,
+                ttft_p99_target_ms=th.ttft_p99_target_ms,
+                itl_p99_target_ms=th.itl_p99_target_ms,
             )
         )
 

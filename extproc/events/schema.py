@@ -18,12 +18,13 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from extproc.core.busy import MAX_TOKEN_THRESHOLD
+from extproc.core.busy import MAX_TARGET_MS, MAX_TOKEN_THRESHOLD
 from extproc.core.endpoint import parse_endpoint
 
 WIRE_VERSION = 1
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+TargetMs = Annotated[float, msgspec.Meta(gt=0, le=MAX_TARGET_MS)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -94,6 +95,9 @@ class ThresholdsEvent(msgspec.Struct, kw_only=True, frozen=True):
     active_decode_blocks_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     active_prefill_tokens_threshold: NonNegInt | None = None
     active_prefill_tokens_threshold_frac: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # Latency targets in ms; absent (a replica that predates them) = none set.
+    ttft_p99_target_ms: TargetMs | None = None
+    itl_p99_target_ms: TargetMs | None = None
     v: int = WIRE_VERSION
 
 

@@ -100,6 +100,8 @@ def apply_event(
                 event.active_decode_blocks_threshold,
                 event.active_prefill_tokens_threshold,
                 event.active_prefill_tokens_threshold_frac,
+                event.ttft_p99_target_ms,
+                event.itl_p99_target_ms,
             )
             pool.set_thresholds(event.model, thresholds, (event.version, event.writer))
         elif type(event) is ClassEvent:

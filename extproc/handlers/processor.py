@@ -11,8 +11,9 @@ into the overload reply; move the estimate to the host that served the response 
 Envoy retry moved it off the pick; ask for the trailers so the stream lasts as long as the
 response). Response-body chunks count generated tokens, from this stream when its filter
 streams the body or from the observer filter's stream, whichever delivers a chunk of the
-request first. The router's estimate for the request is released when the stream ends,
-whatever ended it.
+request first. For a model with a latency target the same points time the request: its
+time to first token and mean inter-token gap feed the worker's latency controller. The
+router's estimate for the request is released when the stream ends, whatever ended it.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, ``None`` (no reply),
@@ -32,6 +33,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
+from extproc.core.latency import LatencyControl
 from extproc.core.pool import Ticket, WorkerPool
 from extproc.core.scheduling import (
     Decision,
@@ -88,6 +90,9 @@ class _Stream:
         "body_streamed",
         "endpoint_label",
         "fallbacks",
+        "first_token_at",
+        "first_tokens",
+        "last_token_at",
         "model",
         "observed",
         "output_source",
@@ -98,6 +103,7 @@ class _Stream:
         "stream",
         "streaming",
         "ticket",
+        "timed",
         "variant",
     )
 
@@ -122,6 +128,11 @@ class _Stream:
         self.stream = False
         self.ticket: Ticket | None = None
         self.variant = 0
+        # The model has a latency target: the response is timed (pool clock).
+        self.timed = False
+        self.first_token_at = 0.0
+        self.first_tokens = 0
+        self.last_token_at = 0.0
 
 
 class ExtProcHandler:
@@ -138,9 +149,11 @@ class ExtProcHandler:
         queue: RouterQueue | None = None,
         tokenizer: PromptTokenizer | None = None,
         classes: ClassRegistry | None = None,
+        latency: LatencyControl | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool = pool
+        self.latency = latency
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -204,6 +217,8 @@ class ExtProcHandler:
             if st.streaming and not (st.output_source or st.observed or st.body_streamed):
                 self._output_unobserved()
             self.pool.release(st.ticket)
+            if st.last_token_at and self.latency is not None:
+                self._time_itl(st, st.ticket)
         if st.request_id is not None:
             self._live.pop(st.request_id, None)
 
@@ -350,6 +365,8 @@ class ExtProcHandler:
         if type(decision) is Routed:
             ticket = st.ticket = decision.ticket
             st.fallbacks = decision.fallbacks
+            if self.latency is not None:
+                st.timed = self.latency.timed(st.model, self._class_name(st))
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
@@ -469,6 +486,8 @@ class ExtProcHandler:
         is over now; with one, at the first generated token."""
         st.streaming = True
         if not (self._observed or st.body_streamed):
+            if st.timed and ticket.in_prefill:
+                self._time_first_token(st, ticket, 0)
             self.pool.prefill_done(ticket)
 
     def _output_unobserved(self) -> None:
@@ -515,7 +534,37 @@ class ExtProcHandler:
             usage = usage_tokens(body)
             tokens = 0 if usage is None else usage - ticket.generated
         if tokens > 0:
+            if st.timed and st.stream:
+                self._time_first_token(st, ticket, tokens)
             self.pool.generated(ticket, tokens)
+
+    # ----- latency measurement (models with a latency target) ----------------------------
+
+    def _time_first_token(self, st: _Stream, ticket: Ticket, tokens: int) -> None:
+        """A streamed response's first generated tokens (``tokens``; 0: its 2xx headers,
+        when no stream delivers its body): the time to first token since the routing
+        decision. Later chunks only mark the time of the latest token."""
+        now = self.pool.clock()
+        if st.first_token_at:
+            st.last_token_at = now
+            return
+        st.first_token_at = now
+        st.first_tokens = tokens
+        assert self.latency is not None
+        self.latency.observe_ttft(
+            ticket.worker, now - ticket.started, not tokens, self._class_name(st)
+        )
+
+    def _time_itl(self, st: _Stream, ticket: Ticket) -> None:
+        """The mean gap between the tokens after the first chunk, once the response ends."""
+        gaps = ticket.generated - st.first_tokens
+        if gaps > 0 and self.latency is not None:
+            itl = (st.last_token_at - st.first_token_at) / gaps
+            self.latency.observe_itl(ticket.worker, itl, self._class_name(st))
+
+    def _class_name(self, st: _Stream) -> str:
+        """The request's class while classes are configured, else ""."""
+        return st.request_class.name if st.request_class is not None else ""
 
     def _on_observed(self, obs: ObserverSession, message: bytes) -> None:
         """A message of the observability-mode filter: count output, reply nothing.

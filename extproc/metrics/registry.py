@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from extproc.core.latency import LatencyControl
     from extproc.core.pool import WorkerPool
 
 DECISION_OUTCOMES = (
@@ -158,11 +159,74 @@ class Metrics:
     ) -> None:
         self.registry.register(PoolCollector(pool, queue_depth or dict))
 
+    def watch_latency(self, control: LatencyControl) -> None:
+        """Series of the latency controller (models with a latency target)."""
+        self.registry.register(LatencyCollector(control))
+
     def watch_grpc(
         self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
     ) -> None:
         """Series of the builtin ext_proc server: open connections, connections it closed."""
         self.registry.register(GrpcCollector(connections, closed))
+
+
+class LatencyCollector(Collector):
+    """Scrape-time series of the latency controller, per model with a latency target:
+    ``extproc_latency_limit{model}`` (the mean multiplier on its workers' thresholds, 1 =
+    the thresholds), ``extproc_ttft_p99_seconds{model}`` (the measured p99 over the last
+    10 s; absent without samples), ``extproc_latency_target_seconds{model,target}`` and
+    ``extproc_latency_target_unreachable{model}`` (workers whose target is out of reach at
+    the floor); per worker ``extproc_worker_latency_limit{worker_id,model}``."""
+
+    def __init__(self, control: LatencyControl) -> None:
+        self.control = control
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        control = self.control
+        limit = GaugeMetricFamily(
+            "extproc_latency_limit",
+            "Mean multiplier the latency controller applies to the model's thresholds (1 = "
+            "the thresholds).",
+            labels=["model"],
+        )
+        p99 = GaugeMetricFamily(
+            "extproc_ttft_p99_seconds",
+            "Time to first token p99 measured at the gateway over the last 10 s.",
+            labels=["model"],
+        )
+        target = GaugeMetricFamily(
+            "extproc_latency_target_seconds",
+            "The model's latency target.",
+            labels=["model", "target"],
+        )
+        unreachable = GaugeMetricFamily(
+            "extproc_latency_target_unreachable",
+            "Workers of the model whose latency target is out of reach even at the floor.",
+            labels=["model"],
+        )
+        per_worker = GaugeMetricFamily(
+            "extproc_worker_latency_limit",
+            "The latency controller's multiplier on the worker's thresholds (1 = the thresholds).",
+            labels=["worker_id", "model"],
+        )
+        pool = control.pool
+        for model, measured, mean in control.models():
+            limit.add_metric([model], mean)
+            if measured is not None:
+                p99.add_metric([model], measured)
+            th = pool.thresholds_for(model)
+            for name, ms in (("ttft", th.ttft_p99_target_ms), ("itl", th.itl_p99_target_ms)):
+                if ms is not None:
+                    target.add_metric([model, name], ms / 1000)
+            count = 0
+            for worker in pool.by_model.get(model, ()):
+                per_worker.add_metric([worker.worker_id, model], worker.latency_scale)
+                count += control.unreachable(worker)
+            unreachable.add_metric([model], count)
+        yield from (limit, p99, target, unreachable, per_worker)
 
 
 class GrpcCollector(Collector):

@@ -19,7 +19,15 @@ from extproc.admin.thresholds import (
     decode_body,
     parse_threshold_update,
 )
-from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, BusyThresholds
+from extproc.core.busy import (
+    DECODE,
+    ITL_TARGET,
+    PREFILL,
+    PREFILL_FRAC,
+    THRESHOLD_NAMES,
+    TTFT_TARGET,
+    BusyThresholds,
+)
 from extproc.core.pool import WorkerPool
 from extproc.devstack import Extproc, Publisher, get_json, http, wait_until
 
@@ -392,3 +400,64 @@ def test_runtime_values_are_kept_while_the_model_is_away(admin: Admin) -> None:
     limits = admin.ext.workers()["wk"]["ranks"][0]["busy_limits"]
     assert limits[PREFILL_FRAC] == 150 and limits[PREFILL] == 7
     assert set(admin.listed()["K"]) == {"model", *THRESHOLD_NAMES}
+
+
+# ----- latency targets ---------------------------------------------------------------------
+
+TARGET_422 = [
+    pytest.param(0, "0", id="zero"),
+    pytest.param(-5, "-5", id="negative"),
+    pytest.param(600_000.5, "600000.5", id="above-600000"),
+    pytest.param(10**400, "1000000000", id="huge-int"),
+    pytest.param("300", '"300"', id="string"),
+    pytest.param(True, "true", id="bool"),
+    pytest.param([300], "[300]", id="list"),
+    pytest.param(NAN, "NaN", id="nan"),
+    pytest.param(INF, "Infinity", id="infinity"),
+]
+
+
+@pytest.mark.parametrize("name", [TTFT_TARGET, ITL_TARGET])
+@pytest.mark.parametrize(("value", "shown"), TARGET_422)
+def test_a_bad_target_is_422_naming_field_and_value(name: str, value: object, shown: str) -> None:
+    with pytest.raises(ThresholdUpdateError) as err:
+        parse_threshold_update({"model": "m", name: value, PREFILL: 3})
+    assert err.value.status == 422
+    assert name in err.value.message and shown in err.value.message
+    assert "milliseconds in (0, 600000]" in err.value.message
+
+
+@pytest.mark.parametrize("value", [0.001, 1, 250.5, 600_000])
+def test_targets_in_range_are_kept_as_floats(value: float) -> None:
+    update = parse_threshold_update({"model": "m", TTFT_TARGET: value, ITL_TARGET: None})
+    assert update.values == {TTFT_TARGET: float(value)}
+    got = update.apply(BusyThresholds(0.5))
+    assert got == BusyThresholds(0.5, ttft_p99_target_ms=float(value))
+
+
+def test_disable_takes_target_names_and_refuses_a_value_too() -> None:
+    update = parse_threshold_update({"model": "m", "disable": [TTFT_TARGET, ITL_TARGET]})
+    assert update.apply(BusyThresholds(None, 7, None, 300.0, 50.0)) == BusyThresholds(None, 7)
+    with pytest.raises(ThresholdUpdateError) as err:
+        parse_threshold_update({"model": "m", "disable": [ITL_TARGET], ITL_TARGET: 9})
+    assert err.value.status == 422 and ITL_TARGET in err.value.message
+
+
+def test_the_api_sets_shows_and_removes_a_target(admin: Admin) -> None:
+    admin.announce("wt", "T")
+    status, _, body = admin.post({"model": "T", TTFT_TARGET: 250})
+    assert (status, body) == (200, entry("T", **{TTFT_TARGET: 250.0}))
+    assert admin.listed()["T"] == entry("T", **{TTFT_TARGET: 250.0})
+    _, _, body = admin.post({"model": "T", ITL_TARGET: 40, TTFT_TARGET: None})
+    assert body == entry("T", **{TTFT_TARGET: 250.0, ITL_TARGET: 40.0})
+    view = admin.ext.workers()["wt"]
+    assert view["latency_control"]["limit"] == 1.0  # no samples yet: nothing moved
+    assert view["latency_control"]["why"] == "waiting for samples"
+    for bad in (0, -1, 600_001, "fast"):
+        status, _, body = admin.post({"model": "T", TTFT_TARGET: bad, PREFILL: 1})
+        assert status == 422 and TTFT_TARGET in body["error"], body
+    # Nothing changed by the refused calls, the threshold sent beside them included.
+    assert admin.listed()["T"] == entry("T", **{TTFT_TARGET: 250.0, ITL_TARGET: 40.0})
+    _, _, body = admin.post({"model": "T", "disable": [TTFT_TARGET, ITL_TARGET]})
+    assert body == entry("T") and set(body) == {"model", *THRESHOLD_NAMES}
+    assert "latency_control" not in admin.ext.workers()["wt"]

@@ -96,7 +96,8 @@ REFUSED: list[Any] = [
     pytest.param({"default": "a", "classes": {"a": 3}},
                  "classes.a: 3 is not a mapping of class settings", id="class-number"),
     pytest.param(table(colour="red"), "classes.a.colour: unknown key; expected one of priority, "
-                 "share, status, retry_after, large_prompt", id="unknown-class-key"),
+                 "share, status, retry_after, large_prompt, ttft_p99_target_ms, itl_p99_target_ms",
+                 id="unknown-class-key"),
     # priority
     pytest.param(table(priority=-1), "classes.a.priority: -1 is out of range; expected an "
                  "integer 0-1000", id="prio-negative"),

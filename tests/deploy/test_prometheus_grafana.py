@@ -41,7 +41,15 @@ SELECTOR = re.compile(r"\b((?:extproc|dynamo|envoy)_[A-Za-z0-9_]+|up)\b(?!\s*[=!
 OUTER_BY = re.compile(r"\s*\w+\s+by\s*\(([^)]*)\)")
 # Series that exist only while something happens; their names are still checked against
 # the extproc's /metrics (``# TYPE`` lines exist from startup).
-ONLY_WHILE_ACTIVE = {"extproc_router_queue_depth"}
+ONLY_WHILE_ACTIVE = {
+    "extproc_router_queue_depth",
+    # Only for models with a latency target.
+    "extproc_ttft_p99_seconds",
+    "extproc_latency_target_seconds",
+    "extproc_latency_limit",
+    "extproc_worker_latency_limit",
+    "extproc_latency_target_unreachable",
+}
 
 
 def _tool(name: str) -> str:

@@ -265,3 +265,20 @@ async def test_a_class_change_on_one_replica_applies_on_the_other(
             await pub.close()
         for sub in subs:
             sub.close()
+
+
+async def test_a_latency_target_is_shared_like_a_threshold(forwarder: tuple[str, str]) -> None:
+    xsub, xpub = forwarder
+    a, b = await replica("r-a", xsub, xpub), await replica("r-b", xsub, xpub)
+    try:
+        with_target = BusyThresholds(None, 1000, None, 350.0, 40.0)
+        b.pool.set_thresholds("m", with_target)
+        await until(lambda: a.pool.thresholds_for("m") == with_target, what="target on A")
+        a.pool.set_thresholds("m", BusyThresholds(None, 1000))  # turned off on A
+        await until(
+            lambda: b.pool.thresholds_for("m") == BusyThresholds(None, 1000), what="off on B"
+        )
+    finally:
+        for r in (a, b):
+            await r.pub.close()
+            r.sub.close()

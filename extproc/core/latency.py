@@ -1,0 +1,378 @@
+"""Holding a latency target: measured TTFT per worker, and the controller that scales limits.
+
+A model with ``ttft_p99_target_ms`` (or ``itl_p99_target_ms``) set is run by a controller per
+worker (docs/latency-target.md). Each worker's window of measured latencies gives a p99;
+once a second :meth:`LatencyControl.tick` moves the worker's multiplier on its configured
+limits (the ceiling) toward the largest value that keeps the p99 under the target:
+
+- above the target: down by the factor target / p99, kept within 0.95 to 0.70;
+- below ``RAISE_BELOW`` of the target: up by ``STEP_UP`` of the ceiling; between the two it
+  holds (the hysteresis band), so a p99 near the target does not make the limit hunt;
+- only on samples of requests dispatched after its last move, at least ``MIN_SAMPLES`` of
+  them: a move is judged by its own effect, not by the queue the previous limit built;
+- never below ``FLOOR``; a rank with nothing in flight keeps the unscaled limits anyway
+  (:meth:`~extproc.core.pool.Rank.limits_in_force`), so the floor never rejects into an
+  idle fleet; above the target at the floor is "target unreachable";
+- frozen while its data is stale: no sample for ``STALE_SECONDS``.
+
+Plain values and an injected clock; the measurements are fed in by the request path
+(:meth:`LatencyControl.observe_ttft`) and :meth:`tick` is called by the service's timer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
+from extproc.core.pool import Worker, WorkerPool
+
+# Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
+# per second for the controller to act, below that load its limit is not what binds.
+WINDOW_SECONDS = 10.0
+MAX_SAMPLES = 4096  # per worker and window; the p99 of the newest this many
+MIN_SAMPLES = 20  # below this the p99 is the maximum of too few: no move
+STALE_SECONDS = 5.0
+FLOOR = 0.1
+STEP_UP = 0.05
+RAISE_BELOW = 0.8
+MIN_STEP_DOWN = 0.95
+MAX_STEP_DOWN = 0.70
+# Where the TTFT of a streamed response was taken, as /debug/workers says it.
+AT_BODY = "first generated tokens in the response body"
+AT_HEADERS = (
+    "response headers: no ext_proc stream delivers the body, and an engine that sends its "
+    "headers before the first token (vLLM, the simulated worker) looks instantly fast; "
+    "observe response bodies (envoy/envoy-track-output.yaml)"
+)
+
+
+def p99(values: list[float]) -> float:
+    """The nearest-rank 99th percentile (the smallest value with 99 % at or below it)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class LatencyWindow:
+    """Recent latencies of one worker as (dispatch time, seconds), oldest first."""
+
+    __slots__ = ("last_at", "samples")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self.last_at: float | None = None  # when the newest sample was observed
+
+    def add(self, now: float, seconds: float) -> None:
+        self.samples.append((now - seconds, seconds))
+        self.last_at = now
+
+    def since(self, now: float, start: float) -> list[float]:
+        """The latencies of requests dispatched at or after ``start`` within the window."""
+        cutoff = now - WINDOW_SECONDS
+        samples = self.samples
+        while samples and samples[0][0] < cutoff:
+            samples.popleft()
+        start = max(start, cutoff)
+        return [s for t, s in samples if t >= start]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One controller decision: the new multiplier and why."""
+
+    scale: float
+    direction: int  # -1 down, 0 hold, +1 up
+    reason: str
+    unreachable: bool = False
+
+
+def control_step(scale: float, p99_s: float, target_s: float) -> Step:
+    """The move for a measured p99 against the target; pure arithmetic, no state."""
+    ratio = p99_s / target_s
+    shown = f"p99 {p99_s * 1000:.0f} ms, target {target_s * 1000:.0f} ms"
+    if ratio > 1.0:
+        if scale <= FLOOR:
+            return Step(FLOOR, 0, f"target unreachable: {shown} at the floor", True)
+        factor = min(MIN_STEP_DOWN, max(MAX_STEP_DOWN, 1.0 / ratio))
+        return Step(max(FLOOR, round(scale * factor, 4)), -1, f"lowering: {shown}")
+    if ratio < RAISE_BELOW and scale < 1.0:
+        return Step(min(1.0, round(scale + STEP_UP, 4)), 1, f"raising: {shown}")
+    if scale >= 1.0:
+        return Step(1.0, 0, f"at the ceiling: {shown}")
+    return Step(scale, 0, f"holding: {shown}")
+
+
+class WorkerControl:
+    """The controller state of one worker."""
+
+    __slots__ = (
+        "direction",
+        "itl",
+        "measured_at",
+        "moved_at",
+        "p99_s",
+        "reason",
+        "scale",
+        "ttft",
+        "unreachable",
+    )
+
+    def __init__(self, now: float) -> None:
+        self.ttft = LatencyWindow()
+        self.itl = LatencyWindow()
+        self.scale = 1.0
+        self.direction = 0
+        self.moved_at = now
+        self.reason = "waiting for samples"
+        self.unreachable = False
+        self.p99_s: float | None = None  # the TTFT p99 of the current window
+        self.measured_at = AT_BODY
+
+    def view(self) -> dict[str, object]:
+        return {
+            "limit": self.scale,
+            "why": self.reason,
+            "target_unreachable": self.unreachable,
+            "ttft_p99_ms": None if self.p99_s is None else round(self.p99_s * 1000, 1),
+            "ttft_measured_at": self.measured_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A change of direction of one worker's limit: what the service logs."""
+
+    worker_id: str
+    model: str
+    request_class: str  # "" = the model's target
+    direction: int
+    scale: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The targets one controller holds, in ms."""
+
+    ttft_p99_target_ms: float | None
+    itl_p99_target_ms: float | None
+
+
+MODEL = ""  # the key of the model's own target among a worker's controllers
+
+
+class LatencyControl:
+    """The controllers of every worker with a latency target: the model's (flag, API), and
+    one per request class with its own target (classes file). A class's multiplier applies
+    to its requests and to every class of no higher priority, so a miss of a critical class
+    sheds the sheddable too; a variant's limits use the lowest multiplier that applies."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        clock: Callable[[], float] = time.monotonic,
+        classes: ClassRegistry | None = None,
+    ) -> None:
+        self.pool = pool
+        self.clock = clock
+        self.classes = classes
+        # Per worker id: its controllers by MODEL or class name.
+        self.workers: dict[str, dict[str, WorkerControl]] = {}
+        self._class_targets: dict[str, Targets] = {}
+        self._variants: list[RequestClass] = []
+        if classes is not None:
+            self._on_classes(classes.table)
+            classes.listeners.append(self._on_classes)
+
+    def _on_classes(self, table: ClassTable) -> None:
+        """A class table in force: a class whose target was removed stops shedding now."""
+        self._variants = table.variant_classes() if table.enabled else []
+        self._class_targets = {
+            c.name: Targets(c.ttft_p99_target_ms, c.itl_p99_target_ms)
+            for c in table.classes
+            if c.has_target and table.enabled
+        }
+        for wid, controls in self.workers.items():
+            for name in [n for n in controls if n != MODEL and n not in self._class_targets]:
+                del controls[name]
+            worker = self.pool.workers.get(wid)
+            if worker is not None:
+                self._apply(worker, controls)
+
+    def _targets(self, model: str) -> Targets | None:
+        th = self.pool.thresholds_for(model)
+        if not th.has_target:
+            return None
+        return Targets(th.ttft_p99_target_ms, th.itl_p99_target_ms)
+
+    def _timed(self, worker: Worker, request_class: str) -> list[WorkerControl]:
+        """The controllers a request of ``request_class`` on ``worker`` feeds."""
+        out: list[WorkerControl] = []
+        if not self._targets(worker.model) and request_class not in self._class_targets:
+            return out
+        controls = self.workers.setdefault(worker.worker_id, {})
+        for key in (MODEL, request_class) if request_class else (MODEL,):
+            if (key == MODEL and self._targets(worker.model)) or key in self._class_targets:
+                control = controls.get(key)
+                if control is None:
+                    control = controls[key] = WorkerControl(self.clock())
+                out.append(control)
+        return out
+
+    def timed(self, model: str, request_class: str = "") -> bool:
+        """Whether a request of ``model`` (and ``request_class``) is timed at all."""
+        return self.pool.thresholds_for(model).has_target or request_class in self._class_targets
+
+    def observe_ttft(
+        self, worker: Worker, seconds: float, at_headers: bool = False, request_class: str = ""
+    ) -> None:
+        """One request's time to first token on ``worker`` (the request path), taken at
+        its first generated tokens, or at its response headers (``at_headers``)."""
+        now = self.clock()
+        for control in self._timed(worker, request_class):
+            control.ttft.add(now, seconds)
+            control.measured_at = AT_HEADERS if at_headers else AT_BODY
+
+    def observe_itl(self, worker: Worker, seconds: float, request_class: str = "") -> None:
+        """One request's mean inter-token latency on ``worker``."""
+        now = self.clock()
+        for control in self._timed(worker, request_class):
+            control.itl.add(now, seconds)
+
+    def tick(self) -> list[Turn]:
+        """Move every controlled worker's limits once; returns the changes of direction."""
+        now = self.clock()
+        pool = self.pool
+        turns: list[Turn] = []
+        for worker_id in [w for w in self.workers if w not in pool.workers]:
+            del self.workers[worker_id]
+        for model, workers in pool.by_model.items():
+            model_targets = self._targets(model)
+            for worker in workers:
+                controls = self.workers.get(worker.worker_id, {})
+                if model_targets is None:
+                    controls.pop(MODEL, None)
+                for key, control in controls.items():
+                    targets = model_targets if key == MODEL else self._class_targets.get(key)
+                    if targets is None:
+                        continue
+                    turn = self._tick_one(worker, key, control, targets, now)
+                    if turn is not None:
+                        turns.append(turn)
+                self._apply(worker, controls)
+        return turns
+
+    def _apply(self, worker: Worker, controls: dict[str, WorkerControl]) -> None:
+        """The worker's multipliers from its controllers' scales."""
+        model = controls.get(MODEL)
+        scale = 1.0 if model is None else model.scale
+        by_variant: tuple[float, ...] = ()
+        if self._variants and any(k != MODEL for k in controls):
+            by_variant = tuple(
+                min(
+                    [1.0]
+                    + [
+                        c.scale
+                        for key, c in controls.items()
+                        if key != MODEL and self._priority(key) >= v.priority
+                    ]
+                )
+                for v in self._variants
+            )
+        self.pool.set_latency_scale(worker, scale, by_variant)
+
+    def _priority(self, name: str) -> int:
+        for c in self._variants:
+            if c.name == name:
+                return c.priority
+        return -1
+
+    def _tick_one(
+        self, worker: Worker, key: str, c: WorkerControl, targets: Targets, now: float
+    ) -> Turn | None:
+        step = self._decide(c, targets, now)
+        if step is None:
+            return None
+        c.reason = step.reason
+        c.unreachable = step.unreachable
+        if step.scale != c.scale:
+            c.scale = step.scale
+            c.moved_at = now
+        if step.direction and step.direction != c.direction:
+            c.direction = step.direction
+            return Turn(
+                worker.worker_id, worker.model, key, step.direction, step.scale, step.reason
+            )
+        return None
+
+    def _decide(self, c: WorkerControl, targets: Targets, now: float) -> Step | None:
+        """The step for this tick, or None when frozen (the reason says why)."""
+        newest = max((t for t in (c.ttft.last_at, c.itl.last_at) if t is not None), default=None)
+        ttft = c.ttft.since(now, c.moved_at)
+        everything = c.ttft.since(now, now - WINDOW_SECONDS)
+        c.p99_s = p99(everything) if everything else None
+        if newest is None:
+            c.reason = "waiting for samples"
+            return None
+        if now - newest > STALE_SECONDS:
+            c.reason = f"frozen: no latency sample for {now - newest:.0f} s"
+            return None
+        steps: list[Step] = []
+        if targets.ttft_p99_target_ms is not None and len(ttft) >= MIN_SAMPLES:
+            steps.append(control_step(c.scale, p99(ttft), targets.ttft_p99_target_ms / 1000))
+        itl = c.itl.since(now, c.moved_at)
+        if targets.itl_p99_target_ms is not None and len(itl) >= MIN_SAMPLES:
+            step = control_step(c.scale, p99(itl), targets.itl_p99_target_ms / 1000)
+            steps.append(Step(step.scale, step.direction, "ITL " + step.reason, step.unreachable))
+        if not steps:
+            c.reason = f"waiting for {MIN_SAMPLES} samples since the last move"
+            return None
+        # The most cautious of the two targets decides.
+        return min(steps, key=lambda s: (s.scale, not s.unreachable))
+
+    def unreachable(self, worker: Worker) -> bool:
+        """Some target of ``worker`` is out of reach at the floor."""
+        return any(c.unreachable for c in self.workers.get(worker.worker_id, {}).values())
+
+    def models(self) -> Iterator[tuple[str, float | None, float]]:
+        """Per model with a target: the TTFT p99 over all its workers' windows (s) and the
+        mean multiplier of its workers."""
+        now = self.clock()
+        for model, workers in self.pool.by_model.items():
+            if not self.pool.thresholds_for(model).has_target:
+                continue
+            samples: list[float] = []
+            scales: list[float] = []
+            for worker in workers:
+                c = self.workers.get(worker.worker_id, {}).get(MODEL)
+                scales.append(worker.latency_scale)
+                if c is not None:
+                    samples.extend(c.ttft.since(now, now - WINDOW_SECONDS))
+            mean = sum(scales) / len(scales) if scales else 1.0
+            yield model, (p99(samples) if samples else None), mean
+
+    def view(self, worker: Worker) -> dict[str, object] | None:
+        """What /debug/workers shows for ``worker``: None when nothing of it is timed. The
+        model's controller first (``limit``, ``why``...), then ``classes`` by name."""
+        has_model = self.pool.thresholds_for(worker.model).has_target
+        if not has_model and not self._class_targets:
+            return None
+        controls = self.workers.get(worker.worker_id, {})
+        control = controls.get(MODEL)
+        if control is not None:
+            out = control.view()
+        else:
+            out = {"limit": worker.latency_scale, "why": "waiting for samples" if has_model
+                   else "no target for the model", "target_unreachable": False,
+                   "ttft_p99_ms": None, "ttft_measured_at": None}  # fmt: skip
+        if self._class_targets:
+            out["classes"] = {
+                name: controls[name].view() if name in controls else {
+                    "limit": 1.0, "why": "waiting for samples", "target_unreachable": False,
+                    "ttft_p99_ms": None, "ttft_measured_at": None}
+                for name in self._class_targets
+            }  # fmt: skip
+        return out
