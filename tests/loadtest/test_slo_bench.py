@@ -31,6 +31,8 @@ needs_matplotlib = pytest.mark.skipif(
 )
 
 PHASES = [(1.0, 5.0), (3.0, 10.0), (10.0, 5.0), (1.0, 5.0)]
+# Three modes of 25 s each, their drains, the unloaded probes: about 2-3 minutes.
+long_run = pytest.mark.timeout(420)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     for name in ("slo-results.md", "slo-results.json",
                  "slo-off.png", "slo-shipped.png", "slo-target.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
-    return json.loads((out / "slo-results.json").read_text()), (
-        out / "slo-results.md"
-    ).read_text()
+    return json.loads((out / "slo-results.json").read_text()), (out / "slo-results.md").read_text()
 
 
 @needs_matplotlib
+@long_run
 def test_every_mode_runs_every_phase_from_the_same_arrivals(
     run: tuple[dict[str, Any], str],
 ) -> None:
@@ -82,6 +83,7 @@ def test_every_mode_runs_every_phase_from_the_same_arrivals(
 
 
 @needs_matplotlib
+@long_run
 def test_the_slowdown_happens_in_the_second_phase_and_slows_that_worker(
     run: tuple[dict[str, Any], str],
 ) -> None:
@@ -99,6 +101,7 @@ def test_the_slowdown_happens_in_the_second_phase_and_slows_that_worker(
 
 
 @needs_matplotlib
+@long_run
 def test_the_series_per_window_comes_from_real_responses(
     run: tuple[dict[str, Any], str],
 ) -> None:
@@ -108,7 +111,7 @@ def test_the_series_per_window_comes_from_real_responses(
         assert [w["start"] for w in windows] == [0, 5, 10, 15, 20, 25][: len(windows)]
         assert len(windows) == 5  # the phases' 25 s in 5-s windows
         assert [w["phase"] for w in windows] == [0, 1, 1, 2, 3]
-        assert [w["judged"] for w in windows] == [False, False, True, False, False]
+        assert not any(w["judged"] for w in windows)  # no phase outlasts its 10 s to settle
         assert all(w["admitted_rps"] > 0 for w in windows)
         assert all(not math.isnan(w["ttft_p99_ms"]) for w in windows)
         target = m["mode"]["target_ms"] is not None
