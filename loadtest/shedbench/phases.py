@@ -61,13 +61,15 @@ class PhasePlan:
 
 @dataclass
 class Sample:
-    """One read of ``/debug/workers`` for one worker: its latency limit and TTFT p99 (None
-    when no latency target is set)."""
+    """One read of ``/debug/workers`` for one worker: its latency limit, the TTFT p99 the
+    controller reads and the one the engine reports (None when no target is set or the
+    extproc does not have it)."""
 
     at: float
     worker: str
     limit: float | None
     ttft_p99_ms: float | None
+    engine_ttft_p99_ms: float | None = None
 
 
 @dataclass
@@ -177,7 +179,13 @@ async def _sample_debug(
         for w in view.get("workers", []):
             control = w.get("latency_control") or {}
             run.samples.append(
-                Sample(at, w["worker_id"], control.get("limit"), control.get("ttft_p99_ms"))
+                Sample(
+                    at,
+                    w["worker_id"],
+                    control.get("limit"),
+                    control.get("ttft_p99_ms"),
+                    control.get("engine_ttft_p99_ms"),
+                )
             )
         await _wait(stop, SAMPLE_EVERY)
 

@@ -5,7 +5,8 @@ Three sources are compared with it on the same run:
 
 - the gateway: the extproc's per-worker TTFT p99 over the last 10 s, read from
   ``/debug/workers`` (only while a latency target is set: nothing is timed otherwise),
-  against the clients' p99 of that worker's attempts sent in the same 10 s;
+  against the clients' p99 of that worker's attempts sent in the same 10 s; the same for
+  the engine-reported p99 the extproc shows beside it (from the workers' load events);
 - the engine: each worker's ``vllm:time_to_first_token_seconds`` histogram, its increase
   between two reads turned into p50 and p99 the way Prometheus' ``histogram_quantile``
   does, against the clients' p50 and p99 of that worker's first tokens in the same interval;
@@ -144,16 +145,18 @@ def _first_token(a: Outcome) -> float:
     return a.arrival + (a.ttft or 0.0)
 
 
-def gateway_errors(run: PhasedRun) -> list[float]:
-    """Each distinct ``/debug/workers`` p99 per worker minus the clients' p99 of that
-    worker's attempts sent in the 10 s before it and answered by then."""
+def gateway_errors(run: PhasedRun, engine: bool = False) -> list[float]:
+    """Each distinct ``/debug/workers`` p99 per worker (the controller's, or with
+    ``engine`` the engine-reported one) minus the clients' p99 of that worker's attempts
+    sent in the 10 s before it and answered by then."""
     served = _served(run)
     errors: list[float] = []
     last: dict[str, float | None] = {}
     for s in run.samples:
-        if s.ttft_p99_ms is None or last.get(s.worker) == s.ttft_p99_ms:
+        p99 = s.engine_ttft_p99_ms if engine else s.ttft_p99_ms
+        if p99 is None or last.get(s.worker) == p99:
             continue
-        last[s.worker] = s.ttft_p99_ms
+        last[s.worker] = p99
         mine = [
             a.ttft or 0.0
             for a in served
@@ -162,7 +165,7 @@ def gateway_errors(run: PhasedRun) -> list[float]:
             and _first_token(a) <= s.at
         ]
         if len(mine) >= MIN_SAMPLES:
-            errors.append(s.ttft_p99_ms - percentile(mine, 99) * 1e3)
+            errors.append(p99 - percentile(mine, 99) * 1e3)
     return errors
 
 
@@ -209,6 +212,7 @@ def compare(
     """The table over every run given: one row per source and statistic."""
     rows = [
         SourceError("gateway (extproc, /debug/workers)", "p99 per worker, last 10 s", []),
+        SourceError("engine, via load events (/debug/workers)", "p99 per worker, last 10 s", []),
         SourceError("engine (vllm:time_to_first_token_seconds)", "p50 per worker, 5 s", []),
         SourceError("engine (vllm:time_to_first_token_seconds)", "p99 per worker, 5 s", []),
         SourceError("Envoy access log, first upstream body byte", "per request", []),
@@ -216,8 +220,9 @@ def compare(
     ]
     for run, lines in runs:
         rows[0].errors_ms += gateway_errors(run)
-        rows[1].errors_ms += engine_errors(run, 0.5)
-        rows[2].errors_ms += engine_errors(run, 0.99)
-        rows[3].errors_ms += envoy_errors(run, lines, body=True)
-        rows[4].errors_ms += envoy_errors(run, lines, body=False)
+        rows[1].errors_ms += gateway_errors(run, engine=True)
+        rows[2].errors_ms += engine_errors(run, 0.5)
+        rows[3].errors_ms += engine_errors(run, 0.99)
+        rows[4].errors_ms += envoy_errors(run, lines, body=True)
+        rows[5].errors_ms += envoy_errors(run, lines, body=False)
     return rows
