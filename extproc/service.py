@@ -160,7 +160,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
-    latency = LatencyControl(pool, classes=classes)
+    latency = LatencyControl(pool, classes=classes, source=settings.ttft_source)
     metrics.watch_latency(latency)
     if settings.state_file:
         state = RuntimeState(settings.state_file, pool, classes)
@@ -279,8 +279,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     parts.callback(controller.cancel)
     log.info(
         "serving ext_proc on %s (%s server), admin on http://%s:%s, events on %s; router mode %s; "
-        "thresholds decode=%s prefill=%s prefill_frac=%s; overload status %s; worker busy "
-        "statuses %s; replica %s%s",
+        "thresholds decode=%s prefill=%s prefill_frac=%s; latency target ttft=%s itl=%s ms "
+        "(%s-measured); overload status %s; worker busy statuses %s; replica %s%s",
         address,
         settings.grpc_server,
         settings.admin_host,
@@ -290,6 +290,9 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_decode_blocks_threshold,
         settings.active_prefill_tokens_threshold,
         settings.active_prefill_tokens_threshold_frac,
+        settings.ttft_p99_target_ms,
+        settings.itl_p99_target_ms,
+        settings.ttft_source,
         settings.overload_status,
         ",".join(map(str, settings.worker_busy_statuses)) or "off",
         pool.replica.replica_id,

@@ -45,6 +45,7 @@ from extproc.openai.errors import (
 )
 
 RouterMode = Literal["kv", "round-robin", "random"]
+TtftSource = Literal["gateway", "engine"]
 GrpcServerKind = Literal["builtin", "grpcio"]
 AdmissionControl = Literal["none", "token-capacity"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -355,6 +356,18 @@ class Settings(BaseSettings):
         gt=0.0,
         le=float(MAX_TARGET_MS),
         allow_inf_nan=False,
+    )
+    ttft_source: Annotated[TtftSource, BeforeValidator(_text)] = setting(
+        "gateway",
+        "--ttft-source",
+        "EXTPROC_TTFT_SOURCE",
+        "busy",
+        "what the latency controller reads: gateway = TTFT measured by the extproc from the "
+        "response body (needs bodies observed: envoy/envoy-track-output.yaml); engine = what "
+        "the engines report in their load events (the sidecar agent, the simulated worker). "
+        "Both are shown. Default: gateway",
+        metavar="{gateway,engine}",
+        expected="gateway or engine",
     )
     overload: Annotated[OverloadStatus, NoDecode, BeforeValidator(_overload)] = setting(
         OverloadStatus(),
@@ -792,6 +805,18 @@ class Settings(BaseSettings):
                 f"--active-decode-blocks-threshold={self.active_decode_blocks_threshold} is "
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
+            )
+        has_target = self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
+        thresholds = (
+            self.active_decode_blocks_threshold,
+            self.active_prefill_tokens_threshold,
+            self.active_prefill_tokens_threshold_frac,
+        )
+        if has_target and all(t is None for t in thresholds):
+            warnings.append(
+                "a latency target is set (--ttft-p99-target-ms / --itl-p99-target-ms) but no "
+                "busy threshold: the controller scales the thresholds, so nothing is shed until "
+                "one is set (--active-prefill-tokens-threshold, ...) as the ceiling"
             )
         if not is_loopback_host(self.admin_host) and not self.admin_token:
             warnings.append(

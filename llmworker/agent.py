@@ -80,6 +80,13 @@ The agent's own count: the prompt tokens (``ceil(UTF-8 bytes / 4)``, as the
 router counts them) of each proxied inference request, from dispatch until the
 first SSE event that carries generated text (a non-streaming request: until its
 response arrives), charged to the rank with the fewest such tokens.
+
+The engine's TTFT: the difference of `vllm:time_to_first_token_seconds` (SGLang:
+`sglang:time_to_first_token_seconds`) between two scrapes, per bucket, goes out
+once with the rank's next `load` as `ttft_seconds` (the first scrape sets the
+baseline; a restarted engine's lower counts are skipped; the `+Inf` bucket counts
+at the largest finite bound). The extproc's latency controller reads it with
+`--ttft-source engine`.
 """
 
 from __future__ import annotations
@@ -110,6 +117,7 @@ from llmworker.engine_metrics import (
     MetricsParseError,
     RankStats,
     parse_engine_metrics,
+    ttft_delta,
 )
 from llmworker.netaddr import advertised_endpoint, join_host_port, join_url
 from llmworker.proxy import EngineProxy, PrefillLedger
@@ -267,6 +275,8 @@ class Agent:
         self.proxy: EngineProxy | None = None
         self.publisher: EventPublisher | None = None
         self.snapshot: EngineSnapshot | None = None
+        # The engine's cumulative TTFT histogram per rank at the previous scrape.
+        self._ttft_seen: dict[int, tuple[tuple[float, float], ...]] = {}
         self.endpoint = settings.endpoint or ""
         self.scrapes = 0
         self.failed_scrapes = 0
@@ -433,6 +443,7 @@ class Agent:
                 s.publish, config, heartbeat=s.heartbeat, debounce=s.debounce, curve=s.curve
             )
             self._send_loads(publisher, view)
+            self._send_ttft(publisher, snapshot, view)
             await publisher.start()
             self.publisher = publisher
             log.info(
@@ -449,6 +460,20 @@ class Agent:
         except ValueError as exc:
             log.error("not announcing config change: %s", exc)
         self._send_loads(publisher, view)
+        self._send_ttft(publisher, snapshot, view)
+
+    def _send_ttft(
+        self, publisher: EventPublisher, snapshot: EngineSnapshot, view: WorkerView
+    ) -> None:
+        """The engine's TTFT histogram since the previous scrape, per rank, with the next
+        load message (the first scrape only sets the baseline)."""
+        for dp_rank, stats in enumerate(snapshot.ranks):
+            before = self._ttft_seen.get(dp_rank)
+            self._ttft_seen[dp_rank] = stats.ttft_buckets
+            if before and stats.ttft_buckets and dp_rank < view.dp_size:
+                delta = [(b, n) for b, n in ttft_delta(before, stats.ttft_buckets) if b <= 86_400]
+                if delta:
+                    publisher.report_ttft_counts(dp_rank, delta)
 
     def _publish_loads(self) -> None:
         """The proxy's prefill count changed: send the loads without waiting to scrape."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from prometheus_client.parser import text_fd_to_metric_families
@@ -60,6 +60,9 @@ class RankStats:
     prefill_tokens: int | None = None  # a direct "tokens waiting for prefill" gauge
     avg_prompt_tokens: float | None = None  # mean prompt length of finished requests
     num_preemptions: int | None = None  # cumulative preemptions / retractions
+    # The engine's TTFT histogram, cumulative: (upper bound s, requests at or below it);
+    # +Inf last. Empty: not reported. A counter, not part of the rank's state (no compare).
+    ttft_buckets: tuple[tuple[float, float], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,47 @@ def _per_rank_sum(samples: Iterable[Sample], label: str) -> dict[int, float]:
     return out
 
 
+def _histogram(samples: Iterable[Sample], label: str) -> dict[int, tuple[tuple[float, float], ...]]:
+    """A histogram's cumulative buckets per rank, by ascending bound (summed over any
+    other labels, such as the model name)."""
+    by_rank: dict[int, dict[float, float]] = {}
+    for s in samples:
+        le = s.labels.get("le")
+        if le is None or math.isnan(s.value):
+            continue
+        try:
+            bound = float(le)
+        except ValueError:
+            raise MetricsParseError(f"{s.name}: le={le!r} is not a number") from None
+        rank = by_rank.setdefault(_rank_of(s, label), {})
+        rank[bound] = rank.get(bound, 0.0) + s.value
+    return {r: tuple(sorted(b.items())) for r, b in by_rank.items()}
+
+
+def ttft_delta(
+    before: tuple[tuple[float, float], ...], after: tuple[tuple[float, float], ...]
+) -> list[tuple[float, int]]:
+    """Requests per TTFT bucket between two scrapes of a cumulative histogram, as
+    (upper bound, requests); the +Inf bucket counts at the largest finite bound. Empty
+    when the bounds differ or a count went down (the engine restarted)."""
+    if len(before) != len(after) or any(a[0] != b[0] for a, b in zip(before, after, strict=True)):
+        return []
+    out: list[tuple[float, int]] = []
+    below_before = below_after = 0.0
+    for (bound, cum_before), (_, cum_after) in zip(before, after, strict=True):
+        n = (cum_after - below_after) - (cum_before - below_before)
+        if n < 0:
+            return []
+        below_before, below_after = cum_before, cum_after
+        if math.isinf(bound):
+            if n and out:
+                out[-1] = (out[-1][0], out[-1][1] + int(n))
+            continue
+        if n:
+            out.append((bound, int(n)))
+    return out
+
+
 def _mean(total: float | None, count: float | None) -> float | None:
     if total is None or count is None or count <= 0:
         return None
@@ -217,6 +261,7 @@ def parse_vllm(text: str) -> EngineSnapshot:
     hist_count = _per_rank_sum(samples.get("vllm:request_prompt_tokens_count", ()), label)
     prompt_total = _per_rank_sum(samples.get("vllm:prompt_tokens_total", ()), label)
     finished = _per_rank_sum(samples.get("vllm:request_success_total", ()), label)
+    ttft = _histogram(samples.get("vllm:time_to_first_token_seconds_bucket", ()), label)
     max_batched: int | None = None
     for s in samples.get("vllm:vllm_config_info", ()):
         max_batched = _label_int(s, "scheduler_config_max_num_batched_tokens") or max_batched
@@ -234,6 +279,7 @@ def parse_vllm(text: str) -> EngineSnapshot:
                 avg_prompt_tokens=_mean(hist_sum.get(r), hist_count.get(r))
                 or _mean(prompt_total.get(r), finished.get(r)),
                 num_preemptions=_count("vllm:num_preemptions_total", preempted.get(r)),
+                ttft_buckets=ttft.get(r, ()),
             )
             for r in ranks
         ),
@@ -262,6 +308,7 @@ def parse_sglang(text: str) -> EngineSnapshot:
     page = gauge("sglang:page_size")
     prefill = gauge("sglang:num_prefill_tokens")
     retracted = _per_rank_sum(samples.get("sglang:num_retracted_requests_total", ()), label)
+    ttft = _histogram(samples.get("sglang:time_to_first_token_seconds_bucket", ()), label)
     # Tokenizer-side counters are not per rank: one mean for every rank.
     mean_prompt = _mean(
         _total(samples, "sglang:prompt_tokens_histogram_sum"),
@@ -285,6 +332,7 @@ def parse_sglang(text: str) -> EngineSnapshot:
                 prefill_tokens=_count("sglang:num_prefill_tokens", prefill.get(r)),
                 avg_prompt_tokens=mean_prompt,
                 num_preemptions=_count("sglang:num_retracted_requests_total", retracted.get(r)),
+                ttft_buckets=ttft.get(r, ()),
             )
             for r in ranks
         ),

@@ -399,6 +399,8 @@ class SimWorker:
     async def _stream_sse(
         self, request: web.Request, gen: Generation, stream: RequestStream, submitted: float
     ) -> web.StreamResponse:
+        """The SSE stream of a request; its time to first token (from its submission to the
+        engine, as vLLM's histogram counts it) is reported with the next load event."""
         response = web.StreamResponse(
             headers={
                 "content-type": "text/event-stream",
@@ -416,6 +418,8 @@ class SimWorker:
         last = gen.max_tokens - 1
         try:
             async for i in stream:
+                if i == 0 and self.publisher is not None:
+                    self.publisher.report_ttft(stream.rank, time.monotonic() - submitted)
                 finish = "length" if i == last else None
                 if i == 0:
                     ttft = time.monotonic() - submitted

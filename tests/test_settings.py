@@ -411,3 +411,25 @@ def test_bad_worker_busy_statuses_exit_2() -> None:
     assert proc.returncode == 2
     assert "--worker-busy-statuses value '503,5xx'" in proc.stderr
     assert "'5xx' is not one" in proc.stderr
+
+
+def test_latency_targets_by_flag_and_env_with_clear_errors() -> None:
+    s = load_settings(
+        ["--ttft-p99-target-ms", "500", "--active-prefill-tokens-threshold", "8000"],
+        {"EXTPROC_ITL_P99_TARGET_MS": "40", "EXTPROC_TTFT_SOURCE": "engine"},
+    )
+    assert (s.ttft_p99_target_ms, s.itl_p99_target_ms, s.ttft_source) == (500.0, 40.0, "engine")
+    assert all_startup_warnings(s) == []
+    assert load_settings([], {}).ttft_source == "gateway"
+    for bad in ("0", "-3", "600001", "fast", "nan"):
+        with pytest.raises(SettingsError) as err:
+            load_settings(["--ttft-p99-target-ms", bad], {})
+        assert "--ttft-p99-target-ms" in str(err.value) and repr(bad) in str(err.value)
+    with pytest.raises(SettingsError) as err:
+        load_settings([], {"EXTPROC_TTFT_SOURCE": "client"})
+    assert "EXTPROC_TTFT_SOURCE" in str(err.value) and "gateway or engine" in str(err.value)
+
+
+def test_a_target_without_any_threshold_warns_that_nothing_is_scaled() -> None:
+    warnings = all_startup_warnings(load_settings(["--ttft-p99-target-ms", "500"], {}))
+    assert len(warnings) == 1 and "no busy threshold" in warnings[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES
+from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, RankLimits
 from extproc.core.latency import LatencyControl
 from extproc.core.pool import Rank, Worker, WorkerPool
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
@@ -55,9 +55,18 @@ def _inactive(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[
     return out
 
 
-def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str, Any]:
-    limits = rank.limits
+def _limits(limits: RankLimits) -> dict[str, int | None]:
     return {
+        DECODE: limits.decode_blocks,
+        PREFILL: limits.prefill_tokens,
+        PREFILL_FRAC: limits.prefill_tokens_frac,
+    }
+
+
+def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str, Any]:
+    """One rank; while the latency controller scales its limits, ``ceiling_limits`` are the
+    unscaled ones (in force while nothing is in flight on the rank)."""
+    view = {
         "dp_rank": rank.index,
         "reported": {
             "active_decode_blocks": rank.reported_blocks,
@@ -80,16 +89,15 @@ def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str,
             "active_prefill_tokens": rank.prefill_tokens,
             "kv_total_blocks": worker.kv_total(rank),
         },
-        "busy_limits": {
-            DECODE: limits.decode_blocks,
-            PREFILL: limits.prefill_tokens,
-            PREFILL_FRAC: limits.prefill_tokens_frac,
-        },
+        "busy_limits": _limits(rank.limits),
         "has_load_data": rank.has_data,
         "busy": rank.has_data and rank.busy_reason is not None,
         "fired": rank.busy_reason if rank.has_data else None,
         "cannot_fire": _inactive(pool, worker, rank, now),
     }
+    if rank.ceilings is not None:
+        view["ceiling_limits"] = _limits(rank.ceilings[0])
+    return view
 
 
 def _by_class(worker: Worker, names: list[str]) -> dict[str, Any] | None:

@@ -112,14 +112,18 @@ def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict
     if latency is None:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for model, measured, mean in latency.models():
+    for m in latency.models():
+        model = m.model
         th = pool.thresholds_for(model)
         unreachable = [w.worker_id for w in pool.by_model.get(model, ()) if latency.unreachable(w)]
         out[model] = {
             "ttft_p99_target_ms": th.ttft_p99_target_ms,
             "itl_p99_target_ms": th.itl_p99_target_ms,
-            "ttft_p99_ms": None if measured is None else round(measured * 1000, 1),
-            "limit": round(mean, 4),
+            "ttft_p99_ms": None if m.ttft_p99 is None else round(m.ttft_p99 * 1000, 1),
+            "engine_ttft_p99_ms": None
+            if m.engine_ttft_p99 is None
+            else round(m.engine_ttft_p99 * 1000, 1),
+            "limit": round(m.limit, 4),
             "target_unreachable": unreachable,
         }
     return out

@@ -15,6 +15,11 @@ limits (the ceiling) toward the largest value that keeps the p99 under the targe
   idle fleet; above the target at the floor is "target unreachable";
 - frozen while its data is stale: no sample for ``STALE_SECONDS``.
 
+The TTFT comes from the gateway (the request path times each streamed response) or, with
+``source="engine"``, from what the engine reports in its load events (histogram buckets;
+each request counts at its bucket's upper bound). A class's controller always uses the
+gateway's: an engine does not know the classes.
+
 Plain values and an injected clock; the measurements are fed in by the request path
 (:meth:`LatencyControl.observe_ttft`) and :meth:`tick` is called by the service's timer.
 """
@@ -41,6 +46,8 @@ STEP_UP = 0.05
 RAISE_BELOW = 0.8
 MIN_STEP_DOWN = 0.95
 MAX_STEP_DOWN = 0.70
+SOURCES = ("gateway", "engine")
+ENGINE_SAMPLES_MAX = 1000  # per load report: more only repeats the same buckets
 # Where the TTFT of a streamed response was taken, as /debug/workers says it.
 AT_BODY = "first generated tokens in the response body"
 AT_HEADERS = (
@@ -110,6 +117,7 @@ class WorkerControl:
 
     __slots__ = (
         "direction",
+        "engine",
         "itl",
         "measured_at",
         "moved_at",
@@ -122,6 +130,7 @@ class WorkerControl:
 
     def __init__(self, now: float) -> None:
         self.ttft = LatencyWindow()
+        self.engine = LatencyWindow()  # the engine-reported TTFT
         self.itl = LatencyWindow()
         self.scale = 1.0
         self.direction = 0
@@ -131,13 +140,15 @@ class WorkerControl:
         self.p99_s: float | None = None  # the TTFT p99 of the current window
         self.measured_at = AT_BODY
 
-    def view(self) -> dict[str, object]:
+    def view(self, now: float) -> dict[str, object]:
+        engine = self.engine.since(now, now - WINDOW_SECONDS)
         return {
             "limit": self.scale,
             "why": self.reason,
             "target_unreachable": self.unreachable,
             "ttft_p99_ms": None if self.p99_s is None else round(self.p99_s * 1000, 1),
             "ttft_measured_at": self.measured_at,
+            "engine_ttft_p99_ms": round(p99(engine) * 1000, 1) if engine else None,
         }
 
 
@@ -161,6 +172,16 @@ class Targets:
     itl_p99_target_ms: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class ModelLatency:
+    """One model's latency as the metrics and the status page show it (seconds)."""
+
+    model: str
+    ttft_p99: float | None  # measured at the gateway
+    engine_ttft_p99: float | None  # reported by the engines
+    limit: float  # the mean multiplier of its workers
+
+
 MODEL = ""  # the key of the model's own target among a worker's controllers
 
 
@@ -175,10 +196,15 @@ class LatencyControl:
         pool: WorkerPool,
         clock: Callable[[], float] = time.monotonic,
         classes: ClassRegistry | None = None,
+        source: str = "gateway",
     ) -> None:
+        if source not in SOURCES:
+            raise ValueError(f"TTFT source must be one of {', '.join(SOURCES)}, got {source!r}")
         self.pool = pool
         self.clock = clock
         self.classes = classes
+        self.source = source
+        pool.on_engine_ttft = self.observe_engine
         # Per worker id: its controllers by MODEL or class name.
         self.workers: dict[str, dict[str, WorkerControl]] = {}
         self._class_targets: dict[str, Targets] = {}
@@ -236,6 +262,18 @@ class LatencyControl:
             control.ttft.add(now, seconds)
             control.measured_at = AT_HEADERS if at_headers else AT_BODY
 
+    def observe_engine(self, worker: Worker, buckets: list[tuple[float, int]]) -> None:
+        """The engine's TTFT buckets of one load report: each request at its upper bound."""
+        if not self._targets(worker.model):
+            return
+        window = self._timed(worker, "")[0].engine
+        now = self.clock()
+        left = ENGINE_SAMPLES_MAX
+        for bound, count in buckets:
+            for _ in range(min(count, left)):
+                window.add(now, bound)
+            left -= min(count, left)
+
     def observe_itl(self, worker: Worker, seconds: float, request_class: str = "") -> None:
         """One request's mean inter-token latency on ``worker``."""
         now = self.clock()
@@ -259,7 +297,8 @@ class LatencyControl:
                     targets = model_targets if key == MODEL else self._class_targets.get(key)
                     if targets is None:
                         continue
-                    turn = self._tick_one(worker, key, control, targets, now)
+                    engine = key == MODEL and self.source == "engine"
+                    turn = self._tick_one(worker, key, control, targets, now, engine)
                     if turn is not None:
                         turns.append(turn)
                 self._apply(worker, controls)
@@ -267,7 +306,7 @@ class LatencyControl:
 
     def _apply(self, worker: Worker, controls: dict[str, WorkerControl]) -> None:
         """The worker's multipliers from its controllers' scales."""
-        model = controls.get(MODEL)
+        model = controls.get(MODEL) if self._targets(worker.model) else None
         scale = 1.0 if model is None else model.scale
         by_variant: tuple[float, ...] = ()
         if self._variants and any(k != MODEL for k in controls):
@@ -291,9 +330,15 @@ class LatencyControl:
         return -1
 
     def _tick_one(
-        self, worker: Worker, key: str, c: WorkerControl, targets: Targets, now: float
+        self,
+        worker: Worker,
+        key: str,
+        c: WorkerControl,
+        targets: Targets,
+        now: float,
+        engine: bool = False,
     ) -> Turn | None:
-        step = self._decide(c, targets, now)
+        step = self._decide(c, targets, now, engine)
         if step is None:
             return None
         c.reason = step.reason
@@ -308,11 +353,14 @@ class LatencyControl:
             )
         return None
 
-    def _decide(self, c: WorkerControl, targets: Targets, now: float) -> Step | None:
+    def _decide(
+        self, c: WorkerControl, targets: Targets, now: float, engine: bool = False
+    ) -> Step | None:
         """The step for this tick, or None when frozen (the reason says why)."""
-        newest = max((t for t in (c.ttft.last_at, c.itl.last_at) if t is not None), default=None)
-        ttft = c.ttft.since(now, c.moved_at)
-        everything = c.ttft.since(now, now - WINDOW_SECONDS)
+        source = c.engine if engine else c.ttft
+        newest = max((t for t in (source.last_at, c.itl.last_at) if t is not None), default=None)
+        ttft = source.since(now, c.moved_at)
+        everything = source.since(now, now - WINDOW_SECONDS)
         c.p99_s = p99(everything) if everything else None
         if newest is None:
             c.reason = "waiting for samples"
@@ -337,22 +385,28 @@ class LatencyControl:
         """Some target of ``worker`` is out of reach at the floor."""
         return any(c.unreachable for c in self.workers.get(worker.worker_id, {}).values())
 
-    def models(self) -> Iterator[tuple[str, float | None, float]]:
-        """Per model with a target: the TTFT p99 over all its workers' windows (s) and the
-        mean multiplier of its workers."""
+    def models(self) -> Iterator[ModelLatency]:
+        """Per model with a target: the TTFT p99 over all its workers' windows, measured at
+        the gateway and reported by the engines (s), and the mean multiplier."""
         now = self.clock()
         for model, workers in self.pool.by_model.items():
             if not self.pool.thresholds_for(model).has_target:
                 continue
             samples: list[float] = []
+            engine: list[float] = []
             scales: list[float] = []
             for worker in workers:
                 c = self.workers.get(worker.worker_id, {}).get(MODEL)
                 scales.append(worker.latency_scale)
                 if c is not None:
                     samples.extend(c.ttft.since(now, now - WINDOW_SECONDS))
-            mean = sum(scales) / len(scales) if scales else 1.0
-            yield model, (p99(samples) if samples else None), mean
+                    engine.extend(c.engine.since(now, now - WINDOW_SECONDS))
+            yield ModelLatency(
+                model,
+                p99(samples) if samples else None,
+                p99(engine) if engine else None,
+                sum(scales) / len(scales) if scales else 1.0,
+            )
 
     def view(self, worker: Worker) -> dict[str, object] | None:
         """What /debug/workers shows for ``worker``: None when nothing of it is timed. The
@@ -362,15 +416,17 @@ class LatencyControl:
             return None
         controls = self.workers.get(worker.worker_id, {})
         control = controls.get(MODEL)
+        now = self.clock()
         if control is not None:
-            out = control.view()
+            out = control.view(now)
         else:
             out = {"limit": worker.latency_scale, "why": "waiting for samples" if has_model
                    else "no target for the model", "target_unreachable": False,
-                   "ttft_p99_ms": None, "ttft_measured_at": None}  # fmt: skip
+                   "ttft_p99_ms": None, "ttft_measured_at": None,
+                   "engine_ttft_p99_ms": None}  # fmt: skip
         if self._class_targets:
             out["classes"] = {
-                name: controls[name].view() if name in controls else {
+                name: controls[name].view(now) if name in controls else {
                     "limit": 1.0, "why": "waiting for samples", "target_unreachable": False,
                     "ttft_p99_ms": None, "ttft_measured_at": None}
                 for name in self._class_targets

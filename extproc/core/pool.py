@@ -250,6 +250,8 @@ class WorkerPool:
         self.queue_threshold = queue_threshold
         # Called with a model when its router-tracked prefill may have dropped.
         self.on_capacity: Callable[[str], None] | None = None
+        # Called with a worker and the engine-reported TTFT buckets of a load report.
+        self.on_engine_ttft: Callable[[Worker, list[tuple[float, int]]], None] | None = None
         # Sharing with other replicas (docs/replicas.md): who we are, told of every change
         # of our own estimates; the version stamps of threshold changes, by model.
         self.replica = Replica()
@@ -370,9 +372,12 @@ class WorkerPool:
         active_prefill_tokens: int | None = None,
         kv_total_blocks: int | None = None,
         seq: int | None = None,
+        ttft_seconds: list[tuple[float, int]] | None = None,
     ) -> None:
-        """One rank's ActiveLoad. Raises :class:`RankOutOfRange` (nothing changed) for a
-        rank at or above the announced ``dp_size``; before any announcement it is kept."""
+        """One rank's ActiveLoad, with the engine's own TTFT buckets since its previous
+        report when it sends them (for the latency controller). Raises
+        :class:`RankOutOfRange` (nothing changed) for a rank at or above the announced
+        ``dp_size``; before any announcement it is kept."""
         now = self.clock()
         worker = self.workers.get(worker_id)
         if worker is None:
@@ -401,6 +406,8 @@ class WorkerPool:
         if kv_changed:
             self._rank_all_limits(worker, rank)
         self._refresh_rank(worker, rank)
+        if ttft_seconds and self.on_engine_ttft is not None and worker.configured:
+            self.on_engine_ttft(worker, ttft_seconds)
 
     def leave(self, worker_id: str) -> bool:
         """The worker is gone (``bye`` or TTL); False if it was not known."""

@@ -52,6 +52,9 @@ import zmq
 
 from extproc.events.curve import CurveClient
 from extproc.events.schema import (
+    TTFT_BOUNDS,
+    TTFT_BUCKETS_MAX,
+    TTFT_COUNT_MAX,
     ByeEvent,
     ConfigEvent,
     EventRejected,
@@ -155,6 +158,8 @@ class EventPublisher:
         }
         self._loads: dict[int, _RankLoad] = {}
         self._sent_loads: dict[int, _RankLoad] = {}
+        # TTFT requests per bucket bound, by rank, not yet sent.
+        self._ttft: dict[int, dict[float, int]] = {}
         self._dirty: set[int] = set()
         self._last_flush = float("-inf")
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -280,13 +285,34 @@ class EventPublisher:
             delay = max(0.0, self._last_flush + self.debounce - loop.time())
             self._flush_handle = loop.call_later(delay, self._flush)
 
+    def report_ttft(self, dp_rank: int, seconds: float) -> None:
+        """One request's time to first token on rank ``dp_rank``, as the engine saw it:
+        counted in its bucket of ``TTFT_BOUNDS`` (above the last: the last) and sent with
+        the rank's next load message, once."""
+        bound = next((b for b in TTFT_BOUNDS if seconds <= b), TTFT_BOUNDS[-1])
+        self.report_ttft_counts(dp_rank, [(bound, 1)])
+
+    def report_ttft_counts(self, dp_rank: int, counts: Sequence[tuple[float, int]]) -> None:
+        """Requests per TTFT bucket (upper bound in seconds) since the last call: an
+        engine's histogram delta. Sent with the rank's next load message, once."""
+        pending = self._ttft.setdefault(dp_rank, {})
+        for bound, n in counts:
+            if n > 0:
+                pending[bound] = min(pending.get(bound, 0) + n, TTFT_COUNT_MAX)
+        if pending and dp_rank in self._loads:
+            self._dirty.add(dp_rank)
+            if self._flush_handle is None and self._transport is not None and not self._closed:
+                loop = asyncio.get_running_loop()
+                delay = max(0.0, self._last_flush + self.debounce - loop.time())
+                self._flush_handle = loop.call_later(delay, self._flush)
+
     def _flush(self) -> None:
         self._flush_handle = None
         self._last_flush = asyncio.get_running_loop().time()
         dirty, self._dirty = self._dirty, set()
         for rank in sorted(dirty):
             load = self._loads[rank]
-            if self._sent_loads.get(rank) != load:
+            if self._sent_loads.get(rank) != load or self._ttft.get(rank):
                 self._send_load(rank, load)
 
     def _send_all(self) -> None:
@@ -318,6 +344,7 @@ class EventPublisher:
             return  # nobody listens yet; the join re-sends everything
         self.seq += 1
         self._sent_loads[rank] = load
+        ttft = self._ttft.pop(rank, None)
         self._send(
             LoadEvent(
                 worker_id=self._config.worker_id,
@@ -326,6 +353,7 @@ class EventPublisher:
                 active_prefill_tokens=load.active_prefill_tokens,
                 kv_total_blocks=load.kv_total_blocks,
                 seq=self.seq,
+                ttft_seconds=sorted(ttft.items())[:TTFT_BUCKETS_MAX] if ttft else None,
             )
         )
 

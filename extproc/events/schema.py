@@ -13,6 +13,7 @@ Publishers encode with :func:`encode`; the subscriber decodes with
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,18 @@ WIRE_VERSION = 1
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TargetMs = Annotated[float, msgspec.Meta(gt=0, le=MAX_TARGET_MS)]
+# The engine's own TTFT of the requests whose first token came since its previous report:
+# [upper bound in seconds, requests] per histogram bucket, bounds increasing.
+TTFT_BUCKETS_MAX = 64
+TTFT_COUNT_MAX = 10**6
+# The bounds a publisher counts TTFT in: vLLM's ``vllm:time_to_first_token_seconds``
+# buckets, so the agent passes vLLM's counts on as they are.
+TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TtftBucket = tuple[
+    Annotated[float, msgspec.Meta(gt=0, le=86_400)],
+    Annotated[int, msgspec.Meta(ge=0, le=TTFT_COUNT_MAX)],
+]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -61,6 +74,9 @@ class LoadEvent(msgspec.Struct, kw_only=True, frozen=True):
     active_prefill_tokens: NonNegInt | None = None
     kv_total_blocks: NonNegInt | None = None
     seq: int | None = None
+    ttft_seconds: Annotated[list[TtftBucket], msgspec.Meta(max_length=TTFT_BUCKETS_MAX)] | None = (
+        None
+    )
     v: int = WIRE_VERSION
 
 
@@ -192,6 +208,10 @@ def decode(topic: bytes, payload: bytes) -> Event:
             parse_endpoint(event.endpoint)
         except ValueError as exc:
             raise EventRejected(DROP_ENDPOINT, str(exc)) from None
+    elif type(event) is LoadEvent:
+        buckets = event.ttft_seconds
+        if buckets and any(a[0] >= b[0] for a, b in itertools.pairwise(buckets)):
+            raise EventRejected(DROP_SCHEMA, "ttft_seconds: bucket bounds must increase")
     elif type(event) is ThresholdsEvent:
         frac = event.active_prefill_tokens_threshold_frac
         if frac is not None and not math.isfinite(frac):

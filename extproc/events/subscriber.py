@@ -70,6 +70,7 @@ def apply_event(
                 active_prefill_tokens=event.active_prefill_tokens,
                 kv_total_blocks=event.kv_total_blocks,
                 seq=event.seq,
+                ttft_seconds=event.ttft_seconds,
             )
         elif type(event) is ConfigEvent:
             displaced = pool.announce(

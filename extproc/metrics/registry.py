@@ -174,7 +174,8 @@ class LatencyCollector(Collector):
     """Scrape-time series of the latency controller, per model with a latency target:
     ``extproc_latency_limit{model}`` (the mean multiplier on its workers' thresholds, 1 =
     the thresholds), ``extproc_ttft_p99_seconds{model}`` (the measured p99 over the last
-    10 s; absent without samples), ``extproc_latency_target_seconds{model,target}`` and
+    10 s; absent without samples), ``extproc_engine_ttft_p99_seconds{model}`` (the same as
+    the engines report it), ``extproc_latency_target_seconds{model,target}`` and
     ``extproc_latency_target_unreachable{model}`` (workers whose target is out of reach at
     the floor); per worker ``extproc_worker_latency_limit{worker_id,model}``."""
 
@@ -213,10 +214,18 @@ class LatencyCollector(Collector):
             labels=["worker_id", "model"],
         )
         pool = control.pool
-        for model, measured, mean in control.models():
-            limit.add_metric([model], mean)
-            if measured is not None:
-                p99.add_metric([model], measured)
+        engine = GaugeMetricFamily(
+            "extproc_engine_ttft_p99_seconds",
+            "Time to first token p99 as the engines report it, over the last 10 s.",
+            labels=["model"],
+        )
+        for m in control.models():
+            model = m.model
+            limit.add_metric([model], m.limit)
+            if m.ttft_p99 is not None:
+                p99.add_metric([model], m.ttft_p99)
+            if m.engine_ttft_p99 is not None:
+                engine.add_metric([model], m.engine_ttft_p99)
             th = pool.thresholds_for(model)
             for name, ms in (("ttft", th.ttft_p99_target_ms), ("itl", th.itl_p99_target_ms)):
                 if ms is not None:
@@ -226,7 +235,7 @@ class LatencyCollector(Collector):
                 per_worker.add_metric([worker.worker_id, model], worker.latency_scale)
                 count += control.unreachable(worker)
             unreachable.add_metric([model], count)
-        yield from (limit, p99, target, unreachable, per_worker)
+        yield from (limit, p99, engine, target, unreachable, per_worker)
 
 
 class GrpcCollector(Collector):

@@ -341,3 +341,19 @@ def test_per_worker_control_admits_more_than_one_multiplier_per_model() -> None:
     assert per_model.last_ms["merged"] <= TARGET_MS * 1.1
     gain = sum(per_worker.admitted[-20:]) / sum(per_model.admitted[-20:])
     assert gain > 1.3, gain  # measured 1.76x (seed 7)
+
+
+def test_an_itl_target_moves_the_limit_and_the_more_cautious_target_wins() -> None:
+    sim = Sim({"w": Plant()}, target_ms=None)
+    pool = sim.pool
+    pool.set_thresholds("m", BusyThresholds(None, CEILING, None, 10_000.0, 50.0))
+    worker = pool.workers["w"]
+    for _ in range(3):
+        sim.clock.t += 1.0
+        for _ in range(30):
+            sim.control.observe_ttft(worker, 0.1)  # far inside the TTFT target
+            sim.control.observe_itl(worker, 0.08)  # 80 ms against 50 ms
+        sim.control.tick()
+    assert sim.scale() < 1.0
+    view = sim.control.view(worker)
+    assert view is not None and str(view["why"]).startswith("ITL lowering")

@@ -45,6 +45,7 @@ ONLY_WHILE_ACTIVE = {
     "extproc_router_queue_depth",
     # Only for models with a latency target.
     "extproc_ttft_p99_seconds",
+    "extproc_engine_ttft_p99_seconds",
     "extproc_latency_target_seconds",
     "extproc_latency_limit",
     "extproc_worker_latency_limit",

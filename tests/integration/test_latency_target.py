@@ -140,8 +140,9 @@ async def test_a_target_sheds_what_the_thresholds_admit_and_off_restores_them(
         assert "target unreachable" in control["why"] and "p99" in control["why"]
         assert control["ttft_p99_ms"] > 1
         assert control["ttft_measured_at"].startswith("first generated tokens")
-        limit = stack.worker()["ranks"][0]["busy_limits"][PREFILL]
-        assert limit == int(CEILING * FLOOR)
+        rank = stack.worker()["ranks"][0]
+        assert rank["busy_limits"][PREFILL] == int(CEILING * FLOOR)
+        assert rank["ceiling_limits"][PREFILL] == CEILING
         status_json = await asyncio.to_thread(get_json, stack.ext.admin + "/status.json")
         latency = status_json["models"][0]["latency"]
         assert latency["target_unreachable"] == ["sim"] and latency["ttft_p99_ms"] > 1
@@ -160,9 +161,99 @@ async def test_a_target_sheds_what_the_thresholds_admit_and_off_restores_them(
     assert status == 200 and set(entry) == {"model", *THRESHOLD_NAMES}, entry
     worker = await asyncio.to_thread(stack.worker)  # at once: no controller tick needed
     assert worker["ranks"][0]["busy_limits"][PREFILL] == CEILING
-    assert "latency_control" not in worker
+    assert "latency_control" not in worker and "ceiling_limits" not in worker["ranks"][0]
     after = await drive(url, 3)
     assert set(after) == {200}, after
     log = stack.ext.proc.log()
     turns = [line for line in log.splitlines() if "latency limit of worker sim" in line]
     assert turns and len(turns) <= 3, turns  # one line per change of direction
+
+
+async def test_the_simulated_engine_reports_its_ttft_and_can_drive_the_controller(
+    tmp_path: Path,
+) -> None:
+    """With --ttft-source engine the controller reads what the engine reports in its load
+    events (no Envoy, no body observed): a 1 ms target walks the limit to the floor."""
+    ext = Extproc(tmp_path, ["--active-prefill-tokens-threshold", str(CEILING),
+                             "--ttft-p99-target-ms", "1", "--ttft-source", "engine",
+                             "--worker-ttl", "60"])  # fmt: skip
+    port = free_port()
+    sim = None
+    try:
+        sim = SimProcess(
+            cli_flags(host="127.0.0.1", port=port, model="m", worker_id="sim",
+                      publish=ext.event_endpoint, heartbeat=0.3, log_level="WARNING"),
+            log_dir=tmp_path, name="sim-engine",
+        )  # fmt: skip
+        wait_until(lambda: sim is not None and sim.healthy(port), 20, "sim up")
+        wait_until(lambda: "sim" in ext.workers(), 10, "sim announced")
+        load = asyncio.create_task(drive(f"http://127.0.0.1:{port}", 60))
+        try:
+
+            def at_floor() -> bool:
+                control = ext.workers()["sim"].get("latency_control") or {}
+                return control.get("limit") == FLOOR and bool(control.get("target_unreachable"))
+
+            await asyncio.to_thread(wait_until, at_floor, 45, "the limit at the floor")
+            control = (await asyncio.to_thread(ext.workers))["sim"]["latency_control"]
+            assert control["engine_ttft_p99_ms"] > 1
+            assert control["ttft_p99_ms"] == control["engine_ttft_p99_ms"]  # what it reads
+            text = await asyncio.to_thread(ext.metrics)
+            assert (metric_value(text, "extproc_engine_ttft_p99_seconds", {"model": "m"}) or 0) > 0
+            # Requests sent straight to the engine pass no gateway: nothing measured there.
+            assert metric_value(text, "extproc_ttft_p99_seconds", {"model": "m"}) is None
+        finally:
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+    finally:
+        if sim is not None:
+            sim.stop()
+        ext.stop()
+
+
+async def drive_timed(url: str, seconds: float) -> list[tuple[float, int, float | None]]:
+    """Like :func:`drive`, per request: start time, status, and the client's own TTFT (the
+    first body chunk with generated text)."""
+    out: list[tuple[float, int, float | None]] = []
+    deadline = time.monotonic() + seconds
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in range(MAX_REQUESTS_PER_CLIENT):
+            if time.monotonic() >= deadline:
+                return
+            started = time.monotonic()
+            first = None
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                async for chunk in resp.content.iter_any():
+                    if first is None and b'"text"' in chunk:
+                        first = time.monotonic() - started
+                out.append((started, resp.status, first))
+            if resp.status != 200:
+                await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(client(session) for _ in range(CLIENTS)))
+    return out
+
+
+@pytest.mark.slow
+async def test_a_reachable_target_is_held_for_the_clients(stack: Stack) -> None:
+    """A 400 ms target against about a second of TTFT under the thresholds alone: once the
+    controller has settled, the clients' own TTFT p99 is near the target, the excess is shed,
+    and the limit did not hunt."""
+    target_ms = 400
+    status, _ = await asyncio.to_thread(stack.post, {"model": "m", TTFT_TARGET: target_ms})
+    assert status == 200
+    out = await drive_timed(stack.envoy.url, 35)
+    start = min(o[0] for o in out)
+    late = [o for o in out if o[0] >= start + 25]  # the last 10 s, after settling
+    ttfts = sorted(o[2] for o in late if o[1] == 200 and o[2] is not None)
+    assert len(ttfts) >= 50, len(ttfts)
+    p99 = ttfts[max(0, -(-99 * len(ttfts) // 100) - 1)]
+    assert p99 <= 1.3 * target_ms / 1000, f"client TTFT p99 {p99:.3f} s"
+    assert any(o[1] == 529 for o in late)  # held by shedding the excess
+    control = (await asyncio.to_thread(stack.worker))["latency_control"]
+    assert control["target_unreachable"] is False and 0.1 < control["limit"] < 1.0, control
+    turns = [line for line in stack.ext.proc.log().splitlines() if "latency limit of" in line]
+    assert 1 <= len(turns) <= 3, turns  # settled, not hunting
