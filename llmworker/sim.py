@@ -418,12 +418,12 @@ class SimWorker:
         last = gen.max_tokens - 1
         try:
             async for i in stream:
-                if i == 0 and self.publisher is not None:
-                    self.publisher.report_ttft(stream.rank, time.monotonic() - submitted)
-                finish = "length" if i == last else None
                 if i == 0:
                     ttft = time.monotonic() - submitted
                     self.ttft.labels(str(stream.rank), self.settings.model).observe(ttft)
+                    if self.publisher is not None:
+                        self.publisher.report_ttft(stream.rank, ttft)
+                finish = "length" if i == last else None
                 choice: dict[str, Any]
                 if gen.chat:
                     delta = {"content": _token_text(i, True)}
@@ -522,7 +522,6 @@ class SimWorker:
         return web.Response(
             body=generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST}
         )
-
 
     async def _get_slowdown(self, request: web.Request) -> web.StreamResponse:
         return _json_response({"factor": self.engine.slowdown})

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from loadtest.shedbench.ttft_sources import (
     access_log_tweak,
     compare,
     parse_access_log,
+    split,
 )
 from loadtest.shedbench.windows import Mode, ModeResult, summarize_run
 from loadtest.shedbench.workers import wait_idle
@@ -152,6 +153,8 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
             modes.append(Mode(TARGET, *opts.shipped, target_ms=target_ms))
             set_mode(stack, modes[-1], targets=True)  # fails now, not after the others
         results: list[ModeResult] = []
+        by_mode: dict[str, list[dict[str, Any]]] = {}
+        splits: dict[str, list[dict[str, Any]]] = {}
         measured: list[tuple[PhasedRun, dict[int, AccessLine]]] = []
         for i, mode in enumerate(modes):
             set_mode(stack, mode, targets=opts.target_mode)
@@ -162,6 +165,8 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
             lines = read_access_log(log_path, tag, answered)
             if mode.name != OFF:  # its queue's TTFTs of seconds would drown the comparison
                 measured.append((phased, lines))
+            by_mode[mode.name] = [s.row() for s in compare([(phased, lines)])]
+            splits[mode.name] = [asdict(s) for s in split(phased, lines, target_ms)]
             result = summarize_run(phased, opts.plan, mode, target_ms)
             results.append(result)
             log(f"{mode.name}: SLO goodput per phase "
@@ -186,6 +191,8 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
         modes=results,
         best_fixed=best.mode.name,
         sources=[s.row() for s in compare(measured)],
+        sources_by_mode=by_mode,
+        splits=splits,
         seconds=time.monotonic() - started,
     )
 

@@ -35,6 +35,9 @@ class SloResults:
     modes: list[ModeResult]
     best_fixed: str  # the name of the best fixed mode
     sources: list[dict[str, Any]] = field(default_factory=list)
+    # Per mode: the TTFT sources over that mode alone, and where its TTFT went.
+    sources_by_mode: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    splits: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def mode(self, name: str) -> ModeResult | None:
@@ -128,6 +131,22 @@ def sources_table(res: SloResults) -> str:
     return "\n".join(rows)
 
 
+def split_table(res: SloResults) -> str:
+    rows = [
+        "| mode | requests | n | until sent upstream ms | worker (to its first body byte) ms "
+        "| after the worker ms | client TTFT ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, splits in res.splits.items():
+        for s in splits:
+            rows.append(
+                f"| {mode} | {s['requests']} | {s['n']} | {_ms1(s['before_upstream_ms'])} | "
+                f"{_ms1(s['worker_ms'])} | {_ms1(s['after_worker_ms'])} | "
+                f"{_ms1(s['client_ttft_ms'])} |"
+            )
+    return "\n".join(rows)
+
+
 def _ms1(value: float, signed: bool = False) -> str:
     if math.isnan(value):
         return "—"
@@ -190,6 +209,18 @@ SLO-good completions over the whole run: **{res.best_fixed}**.
 Goals (the target mode):
 
 {verdicts}
+
+Where the TTFT of admitted requests went, by Envoy's access log (medians): until Envoy sent \
+the request to the worker (the routing decision), the worker (to the first byte of its \
+response body), and after it (the response body through the extproc and Envoy to the \
+client):
+
+{split_table(res)}
+
+How far each source of TTFT is from the clients' (all modes but "off", whose queue of \
+seconds would drown the rest; error = source minus clients):
+
+{sources_table(res)}
 
 Time back within target after the slowdown began (the first {WINDOW:g}-s window, sliding by \
 0.5 s, from which every window up to the slowdown's end has its TTFT p99 within target):

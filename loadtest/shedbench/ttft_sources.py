@@ -33,7 +33,7 @@ GATEWAY_WINDOW = 10.0  # seconds: the extproc's window
 
 ACCESS_LOG_FORMAT = (
     f"%REQ({BENCH_ID_HEADER.upper()})% %RESPONSE_CODE% %RESPONSE_DURATION% "
-    "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%\n"
+    "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%\n"
 )
 
 
@@ -63,6 +63,7 @@ class AccessLine:
     status: int
     headers_ms: float | None  # %RESPONSE_DURATION%
     body_ms: float | None  # first upstream body byte
+    upstream_ms: float | None = None  # the request's first byte sent upstream
 
 
 def parse_access_log(text: str, tag: str) -> dict[int, AccessLine]:
@@ -70,14 +71,14 @@ def parse_access_log(text: str, tag: str) -> dict[int, AccessLine]:
     out: dict[int, AccessLine] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) != 4 or not parts[0].startswith(tag):
+        if len(parts) != 5 or not parts[0].startswith(tag):
             continue
         try:
             number = int(parts[0][len(tag) :])
             status = int(parts[1])
         except ValueError:
             continue
-        out_line = AccessLine(status, _ms(parts[2], 1.0), _ms(parts[3], 1e-3))
+        out_line = AccessLine(status, _ms(parts[2], 1.0), _ms(parts[3], 1e-3), _ms(parts[4], 1e-3))
         if status == 200 or number not in out:
             out[number] = out_line
     return out
@@ -226,3 +227,41 @@ def compare(
         rows[4].errors_ms += envoy_errors(run, lines, body=True)
         rows[5].errors_ms += envoy_errors(run, lines, body=False)
     return rows
+
+
+@dataclass
+class Split:
+    """Where the TTFT of admitted requests went, by Envoy's clock, medians in ms: until
+    Envoy sent the request upstream (the routing decision, and queueing before it), from
+    there to the upstream's first body byte (the worker), and from there to the client's
+    first token (the response path: the extproc's body processing, Envoy, the client)."""
+
+    requests: str  # "all" or "over target"
+    n: int
+    before_upstream_ms: float
+    worker_ms: float
+    after_worker_ms: float
+    client_ttft_ms: float
+
+
+def split(run: PhasedRun, lines: dict[int, AccessLine], target_ms: float) -> list[Split]:
+    """:class:`Split` of every admitted request, and of those over ``target_ms``."""
+    parts: list[tuple[float, float, float, float]] = []
+    for number, req in enumerate(run.requests):
+        line = lines.get(number)
+        if line is None or line.status != 200 or not req.admitted or req.last.ttft is None:
+            continue
+        if line.upstream_ms is None or line.body_ms is None:
+            continue
+        ttft = req.last.ttft * 1e3
+        parts.append((line.upstream_ms, line.body_ms - line.upstream_ms, ttft - line.body_ms, ttft))
+    out: list[Split] = []
+    for name, rows in (("all", parts), ("over target", [p for p in parts if p[3] > target_ms])):
+        out.append(
+            Split(
+                name,
+                len(rows),
+                *(percentile([r[i] for r in rows], 50) for i in range(4)),
+            )
+        )
+    return out
