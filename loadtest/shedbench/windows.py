@@ -169,8 +169,8 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
             ),
         ),
         series={
-            w: [(s.at, s.limit) for s in run.samples if s.worker == w]
-            for w in sorted({s.worker for s in run.samples})
+            w: [(s.at, s.limit) for s in run.samples if s.worker == w and s.limit is not None]
+            for w in sorted({s.worker for s in run.samples if s.limit is not None})
         },
     )
 
