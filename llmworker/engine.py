@@ -11,7 +11,8 @@ Three layers, from the inside out:
   with plain values.
 - :class:`EngineLoop` runs one core on the event loop, sleeping each step's
   modelled duration (base + per prefill token + per decoding sequence, all
-  divided by ``speedup``) and handing tokens to :class:`RequestStream` readers.
+  divided by ``speedup``, times the runtime ``slowdown``) and handing tokens to
+  :class:`RequestStream` readers.
 - :class:`SimEngine` puts ``dp_size`` loops behind one endpoint and sends each
   new request to the least-loaded rank.
 
@@ -428,6 +429,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_load: RankLoad | None = None
+        self.slowdown = 1.0  # every step takes this many times its modelled duration
 
     @property
     def config(self) -> EngineConfig:
@@ -497,7 +499,7 @@ class EngineLoop:
                 await self._wake.wait()
                 continue
             now = loop.time()
-            clock = max(clock, now - self.MAX_LAG_S) + plan.duration_s
+            clock = max(clock, now - self.MAX_LAG_S) + plan.duration_s * self.slowdown
             await asyncio.sleep(max(0.0, clock - now))
             for out in core.complete(plan):
                 stream = self._streams.get(out.seq.seq_id)
@@ -534,6 +536,16 @@ class SimEngine:
 
     def loads(self) -> list[RankLoad]:
         return [rank.load() for rank in self.ranks]
+
+    @property
+    def slowdown(self) -> float:
+        """How many times its modelled duration each step takes (1: as configured)."""
+        return self.ranks[0].slowdown
+
+    @slowdown.setter
+    def slowdown(self, factor: float) -> None:
+        for rank in self.ranks:
+            rank.slowdown = factor
 
     def pick_rank(self) -> EngineLoop:
         """Least KV utilisation, then fewest active prefill tokens, then fewest requests."""

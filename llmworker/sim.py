@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import AfterValidator, model_validator
@@ -59,6 +59,10 @@ WORDS = (
     "simulated", "engines", "stream", "tokens", "to", "patient", "clients", "behind", "envoy",
 )  # fmt: skip
 _json = msgspec.json.Encoder()
+# vLLM's buckets for vllm:time_to_first_token_seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+MAX_SLOWDOWN = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +173,13 @@ class SimWorker:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
         self.registry.register(self.admission.collector())
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            ["engine", "model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.app = self._make_app()
         self.port = settings.port
         self.endpoint = ""
@@ -251,6 +262,8 @@ class SimWorker:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/sim/slowdown", self._get_slowdown)
+        app.router.add_post("/sim/slowdown", self._set_slowdown)
         return app
 
     async def _add_worker_header(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -405,8 +418,11 @@ class SimWorker:
         last = gen.max_tokens - 1
         try:
             async for i in stream:
-                if i == 0 and self.publisher is not None:
-                    self.publisher.report_ttft(stream.rank, time.monotonic() - submitted)
+                if i == 0:
+                    ttft = time.monotonic() - submitted
+                    self.ttft.labels(str(stream.rank), self.settings.model).observe(ttft)
+                    if self.publisher is not None:
+                        self.publisher.report_ttft(stream.rank, ttft)
                 finish = "length" if i == last else None
                 choice: dict[str, Any]
                 if gen.chat:
@@ -506,6 +522,32 @@ class SimWorker:
         return web.Response(
             body=generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST}
         )
+
+    async def _get_slowdown(self, request: web.Request) -> web.StreamResponse:
+        return _json_response({"factor": self.engine.slowdown})
+
+    async def _set_slowdown(self, request: web.Request) -> web.StreamResponse:
+        """``{"factor": f}``: every engine step takes ``f`` times as long until set back to 1."""
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise HTTPError(400, f"Request body is not valid JSON: {exc}") from None
+        factor = body.get("factor") if isinstance(body, dict) else None
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not 1.0 <= factor <= MAX_SLOWDOWN
+        ):
+            raise HTTPError(
+                422,
+                f"'factor' must be a number from 1 (no slowdown) to {MAX_SLOWDOWN:g}, "
+                f"got {factor!r}" if isinstance(body, dict) else
+                f"Request body must be a JSON object with 'factor', got {body!r}",
+            )  # fmt: skip
+        self.engine.slowdown = float(factor)
+        log.info("engine slowdown x%g", factor)
+        return _json_response({"factor": self.engine.slowdown})
 
 
 class _EngineCollector(Collector):

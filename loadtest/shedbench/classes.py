@@ -59,6 +59,33 @@ class Request:
         return bool(self.attempts) and self.last.status == 200
 
 
+async def attempts(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    req: Request,
+    t0: float,
+    retry: Retry | None,
+    jitter: random.Random,
+    last_retry: float,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Send ``req`` until it is answered other than overloaded, or ``retry`` (None: never)
+    gives up, or the next attempt would start after ``last_retry`` (seconds from ``t0``)."""
+    while True:
+        out = Outcome(arrival=time.monotonic() - t0)
+        req.attempts.append(out)
+        await send(session, url, body, out, t0, headers)
+        if retry is None or out.status not in OVERLOAD_STATUSES:
+            return
+        if len(req.attempts) >= retry.max_attempts:
+            return
+        delay = retry.delay(len(req.attempts), out.retry_after, jitter)
+        if time.monotonic() - t0 + delay > last_retry:
+            return
+        await asyncio.sleep(delay)
+
+
 async def mixed_loop(
     session: aiohttp.ClientSession,
     url: str,
@@ -75,25 +102,12 @@ async def mixed_loop(
     jitter = random.Random(rng.random())
     requests: list[Request] = []
 
-    async def client(req: Request, body: bytes, t0: float) -> None:
-        headers = {CLASS_HEADER: req.cls}
-        while True:
-            out = Outcome(arrival=time.monotonic() - t0)
-            req.attempts.append(out)
-            await send(session, url, body, out, t0, headers)
-            if retry is None or out.status not in OVERLOAD_STATUSES:
-                return
-            if len(req.attempts) >= retry.max_attempts:
-                return
-            delay = retry.delay(len(req.attempts), out.retry_after, jitter)
-            if time.monotonic() - t0 + delay > last_retry:
-                return
-            await asyncio.sleep(delay)
-
     def launch(at: float, t0: float) -> Coroutine[Any, Any, None]:
         req = Request(cls=rng.choices(names, weights)[0], arrival=at)
         requests.append(req)
-        return client(req, request_body(cfg, rng), t0)
+        headers = {CLASS_HEADER: req.cls}
+        body = request_body(cfg, rng)
+        return attempts(session, url, body, req, t0, retry, jitter, last_retry, headers)
 
     cutoff = await poisson(rate, cfg.cell_seconds, cfg.grace, rng, launch)
     for req in requests:

@@ -26,6 +26,7 @@ class Stack:
         log_dir: Path,
         extproc_args: Sequence[str] = (),
         workers: WorkersFactory = SimWorkers,
+        envoy_tweak: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         args = ["--log-level", "WARNING", *extproc_args]
@@ -36,7 +37,9 @@ class Stack:
         self.workers: Workers | None = None
         try:
             self.workers = workers(cfg, self.ext, log_dir)
-            self.envoy = Envoy(log_dir, self.ext, self.workers.ports, source=self.envoy_config)
+            self.envoy = Envoy(
+                log_dir, self.ext, self.workers.ports, envoy_tweak, source=self.envoy_config
+            )
         except BaseException:
             self.close()
             raise

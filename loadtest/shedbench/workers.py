@@ -1,10 +1,15 @@
 """The LLM workers behind Envoy: started beside the extproc, scraped for their load, stopped.
 
 A benchmark talks to its workers only through :class:`Workers`: their HTTP ports (for
-Envoy's cluster) and :meth:`Workers.load`, the engines' queue and cache read from their
-Prometheus metrics. :class:`SimWorkers`, two simulated vLLM-like engines that publish
-their load to the extproc, is the one implementation; another engine (llama.cpp's
-``llama-server`` behind the sidecar agent, say) is another class with the same three members.
+Envoy's cluster), :meth:`Workers.load`, the engines' queue and cache read from their
+Prometheus metrics, :meth:`Workers.ttft_buckets`, the TTFT the engines report, and
+:meth:`Workers.slowdown`, one worker made slower for a while. :class:`SimWorkers`, two
+simulated vLLM-like engines that publish their load to the extproc, is the one
+implementation; another engine (llama.cpp's ``llama-server`` behind the sidecar agent, say)
+is another class with the same members. Its slowdown is the one member that needs a choice
+of its own: a real engine has no knob for its speed, so it would restrict the server's
+threads, or pause and resume the process (SIGSTOP/SIGCONT) on a duty cycle that makes it
+``factor`` times slower; until then it may raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ from typing import Protocol
 
 import aiohttp
 
-from extproc.devstack import Extproc, SimProcess, cli_flags, free_port, metric_sums, wait_until
+from extproc.devstack import (
+    Extproc,
+    SimProcess,
+    cli_flags,
+    free_port,
+    metric_samples,
+    metric_sums,
+    wait_until,
+)
 from loadtest.shedbench.config import MODEL, Config
 
 
@@ -44,7 +57,26 @@ class Workers(Protocol):
         """Scrape every worker once."""
         ...
 
+    @property
+    def ids(self) -> list[str]:
+        """Their worker ids, in the order of :attr:`ports`."""
+        ...
+
+    async def ttft_buckets(self, session: aiohttp.ClientSession) -> dict[str, Buckets]:
+        """Per worker id: the engine's own TTFT histogram, cumulative counts by upper bound
+        in seconds (``inf`` last), summed over its ranks."""
+        ...
+
+    async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
+        """Make worker ``index`` (in the order of :attr:`ports`) ``factor`` times slower
+        (1: its normal pace)."""
+        ...
+
     def stop(self) -> None: ...
+
+
+Buckets = list[tuple[float, float]]
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 
 
 class SimWorkers:
@@ -89,6 +121,29 @@ class SimWorkers:
     @property
     def ports(self) -> list[int]:
         return self._ports
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"sim-{i}" for i in range(1, len(self._ports) + 1)]
+
+    async def ttft_buckets(self, session: aiohttp.ClientSession) -> dict[str, Buckets]:
+        out: dict[str, Buckets] = {}
+        for wid, port in zip(self.ids, self._ports, strict=True):
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+            counts: dict[float, float] = {}
+            for s in metric_samples(text):
+                if s.name == TTFT_HISTOGRAM + "_bucket":
+                    le = float(s.labels["le"])
+                    counts[le] = counts.get(le, 0.0) + float(s.value)
+            out[wid] = sorted(counts.items())
+        return out
+
+    async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
+        url = f"http://127.0.0.1:{self._ports[index]}/sim/slowdown"
+        async with session.post(url, json={"factor": factor}) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"POST {url} -> {resp.status}: {await resp.text()}")
 
     async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
         total: dict[str, float] = {}

@@ -417,3 +417,77 @@ async def test_admission_gauges_show_engine_and_queue(
     first.close()
     await asyncio.gather(*pending, return_exceptions=True)
     await wait_until(lambda: worker.admission.in_engine == 0 and worker.admission.queued == 0)
+
+
+async def _stream_seconds(http: aiohttp.ClientSession, worker: SimWorker, tokens: int) -> float:
+    body = {"model": "m1", "messages": MESSAGES, "max_tokens": tokens, "stream": True}
+    start = time.monotonic()
+    async with http.post(url(worker, "/v1/chat/completions"), json=body) as r:
+        assert r.status == 200
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    return time.monotonic() - start
+
+
+async def test_slowdown_multiplies_every_step_until_set_back(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    # 20 ms per step and nothing else: 5 tokens are 5 steps, 100 ms unslowed.
+    worker = await start_sim(
+        "--model", "m1", "--speedup", "1", "--step-base-ms", "20",
+        "--step-prefill-token-us", "0", "--step-decode-seq-us", "0",
+    )  # fmt: skip
+    async with http.post(url(worker, "/sim/slowdown"), json={"factor": 4}) as r:
+        assert r.status == 200
+        assert await r.json() == {"factor": 4.0}
+    slowed = await _stream_seconds(http, worker, 5)
+    assert slowed >= 0.95 * 5 * 0.080  # each step sleeps at least 4 x 20 ms
+    async with http.get(url(worker, "/sim/slowdown")) as r:
+        assert await r.json() == {"factor": 4.0}
+    async with http.post(url(worker, "/sim/slowdown"), json={"factor": 1}) as r:
+        assert r.status == 200
+    again = min([await _stream_seconds(http, worker, 5) for _ in range(3)])
+    assert again < slowed / 2
+
+
+@pytest.mark.parametrize(
+    "body, shown",
+    [
+        ({"factor": 0.5}, "0.5"),
+        ({"factor": 101}, "101"),
+        ({"factor": "2"}, "'2'"),
+        ({"factor": True}, "True"),
+        ({}, "None"),
+        ([2], "[2]"),
+    ],
+)
+async def test_a_bad_slowdown_is_refused_and_changes_nothing(
+    start_sim: StartSim, http: aiohttp.ClientSession, body: Any, shown: str
+) -> None:
+    worker = await start_sim("--model", "m1")
+    async with http.post(url(worker, "/sim/slowdown"), json={"factor": 3}) as r:
+        assert r.status == 200
+    async with http.post(url(worker, "/sim/slowdown"), json=body) as r:
+        assert r.status == 422
+        message = (await r.json())["message"]
+    assert "'factor'" in message and shown in message, message
+    async with http.get(url(worker, "/sim/slowdown")) as r:
+        assert await r.json() == {"factor": 3.0}
+
+
+async def test_ttft_histogram_counts_streamed_requests_from_submission_to_first_token(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    worker = await start_sim(
+        "--model", "m1", "--speedup", "1", "--step-base-ms", "30",
+        "--step-prefill-token-us", "0", "--step-decode-seq-us", "0",
+    )  # fmt: skip
+    for _ in range(3):
+        await _stream_seconds(http, worker, 2)
+    text = await scrape(http, worker)
+    name = "vllm:time_to_first_token_seconds"
+    labels = {"engine": "0", "model_name": "m1"}
+    assert metric(text, f"{name}_count", **labels) == 3
+    assert metric(text, f"{name}_sum", **labels) >= 3 * 0.030 * 0.95  # one 30 ms step each
+    assert metric(text, f"{name}_bucket", le="0.02", **labels) == 0
+    assert metric(text, f"{name}_bucket", le="+Inf", **labels) == 3

@@ -1,0 +1,197 @@
+"""A phased run in numbers: the series per window, each phase's totals, and the time the
+TTFT p99 took to come back within target after the slowdown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from loadtest.shedbench.classes import OVERLOAD_STATUSES
+from loadtest.shedbench.client import Outcome
+from loadtest.shedbench.phases import PhasedRun, PhasePlan
+from loadtest.shedbench.stats import percentile
+
+WINDOW = 5.0  # seconds per point of the series
+SETTLE = 10.0  # the first seconds of a phase are not judged against the target
+RECOVERY_STEP = 0.5  # resolution of the time back within target
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One setting the phases run under: thresholds (None: off) and a latency target."""
+
+    name: str
+    decode: float | None
+    prefill_frac: float | None
+    target_ms: float | None = None
+
+    def describe(self) -> str:
+        if self.decode is None and self.prefill_frac is None:
+            checks = "thresholds off"
+        else:
+            checks = f"decode {_g(self.decode)}, prefill frac {_g(self.prefill_frac)}"
+        return checks + (f", TTFT p99 target {self.target_ms:g} ms" if self.target_ms else "")
+
+
+def _g(value: float | None) -> str:
+    return "off" if value is None else f"{value:g}"
+
+
+@dataclass
+class Window:
+    """``[start, start + WINDOW)`` seconds into the run, by the attempts sent in it."""
+
+    start: float
+    phase: int
+    admitted_rps: float
+    rejected_rps: float
+    ttft_p99_ms: float  # of the admitted attempts; NaN when none was admitted
+    admitted: int
+    limit: dict[str, float]  # per worker: the mean latency limit read in the window
+    slowed: bool  # the slowdown was on for part of the window
+    judged: bool  # at least SETTLE seconds into its phase
+
+    def within(self, target_ms: float) -> bool:
+        return not math.isnan(self.ttft_p99_ms) and self.ttft_p99_ms <= target_ms
+
+
+@dataclass
+class PhaseStats:
+    load: float
+    seconds: float
+    requests: int  # logical requests that arrived in the phase
+    attempts: int
+    admitted: int  # requests whose last attempt was answered 200
+    rejected_attempts: int
+    gave_up: int  # requests whose last attempt was still an overload reply
+    goodput_rps: float  # 2xx streams completed in the phase, per second
+    slo_goodput_rps: float  # ... whose TTFT was within the target
+    ttft_p99_ms: float
+    windows_judged: int
+    windows_within: int
+
+
+@dataclass
+class ModeResult:
+    mode: Mode
+    phases: list[PhaseStats]
+    windows: list[Window]
+    slowed: tuple[float, float]
+    recovery_s: float | None  # None: not within target again before the slowdown ended
+    attempts_rps_max: float
+    errors: int
+    # The slowed worker's TTFT p50 (ms) of attempts sent before and during the slowdown.
+    slow_worker_ttft_p50_ms: tuple[float, float] = (math.nan, math.nan)
+    series: dict[str, list[tuple[float, float | None]]] = field(default_factory=dict)
+
+
+def _attempts(run: PhasedRun) -> list[Outcome]:
+    return [a for r in run.requests for a in r.attempts]
+
+
+def _p99_ms(outs: list[Outcome]) -> float:
+    return percentile([o.ttft for o in outs if o.ttft is not None], 99) * 1e3
+
+
+def _p50_ms(outs: list[Outcome]) -> float:
+    return percentile([o.ttft for o in outs if o.ttft is not None], 50) * 1e3
+
+
+def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float) -> ModeResult:
+    """Windows, phases and recovery of one mode, from its responses; ``target_ms`` is the
+    bar of SLO goodput and windows (the same for every mode)."""
+    attempts = _attempts(run)
+    admitted = [a for a in attempts if a.status == 200]
+    began, ended = run.slowed
+    windows: list[Window] = []
+    for i, (phase, start) in enumerate(zip(plan.phases, plan.starts(), strict=True)):
+        at = start
+        while at + WINDOW <= start + phase.seconds + 1e-9:
+            mine = [a for a in attempts if at <= a.arrival < at + WINDOW]
+            ok = [a for a in mine if a.status == 200]
+            limits: dict[str, list[float]] = {}
+            for s in run.samples:
+                if at <= s.at < at + WINDOW and s.limit is not None:
+                    limits.setdefault(s.worker, []).append(s.limit)
+            windows.append(
+                Window(
+                    start=at,
+                    phase=i,
+                    admitted_rps=len(ok) / WINDOW,
+                    rejected_rps=sum(1 for a in mine if a.status in OVERLOAD_STATUSES) / WINDOW,
+                    ttft_p99_ms=_p99_ms(ok),
+                    admitted=len(ok),
+                    limit={w: sum(v) / len(v) for w, v in sorted(limits.items())},
+                    slowed=run.slowed[0] < at + WINDOW and at < run.slowed[1],
+                    judged=at >= start + SETTLE,
+                )
+            )
+            at += WINDOW
+    phases: list[PhaseStats] = []
+    target_s = target_ms / 1e3
+    for i, (phase, start) in enumerate(zip(plan.phases, plan.starts(), strict=True)):
+        end = start + phase.seconds
+        reqs = [r for r in run.requests if start <= r.arrival < end and r.attempts]
+        mine = [a for r in reqs for a in r.attempts]
+        done = [a for a in admitted if a.finished and start <= a.arrival + (a.e2e or 0) < end]
+        judged = [w for w in windows if w.phase == i and w.judged]
+        phases.append(
+            PhaseStats(
+                load=phase.load,
+                seconds=phase.seconds,
+                requests=len(reqs),
+                attempts=len(mine),
+                admitted=sum(1 for r in reqs if r.admitted),
+                rejected_attempts=sum(1 for a in mine if a.status in OVERLOAD_STATUSES),
+                gave_up=sum(1 for r in reqs if r.last.status in OVERLOAD_STATUSES),
+                goodput_rps=len(done) / phase.seconds,
+                slo_goodput_rps=sum(1 for a in done if (a.ttft or 0) <= target_s) / phase.seconds,
+                ttft_p99_ms=_p99_ms([a for a in mine if a.status == 200]),
+                windows_judged=len(judged),
+                windows_within=sum(1 for w in judged if w.within(target_ms)),
+            )
+        )
+    per_second: dict[int, int] = {}
+    for a in attempts:
+        per_second[int(a.arrival)] = per_second.get(int(a.arrival), 0) + 1
+    return ModeResult(
+        mode=mode,
+        phases=phases,
+        windows=windows,
+        slowed=run.slowed,
+        recovery_s=recovery(admitted, run.slowed, target_ms),
+        attempts_rps_max=max(per_second.values(), default=0),
+        errors=sum(1 for a in attempts if a.status not in OVERLOAD_STATUSES | {200}),
+        slow_worker_ttft_p50_ms=(
+            _p50_ms([a for a in admitted if a.worker == run.slow_worker and a.arrival < began]),
+            _p50_ms(
+                [a for a in admitted if a.worker == run.slow_worker and began <= a.arrival < ended]
+            ),
+        ),
+        series={
+            w: [(s.at, s.limit) for s in run.samples if s.worker == w and s.limit is not None]
+            for w in sorted({s.worker for s in run.samples if s.limit is not None})
+        },
+    )
+
+
+def recovery(
+    admitted: list[Outcome], slowed: tuple[float, float], target_ms: float
+) -> float | None:
+    """Seconds from the start of the slowdown until the TTFT p99 of the admitted attempts
+    sent in a sliding :data:`WINDOW` stays within target, every :data:`RECOVERY_STEP`, up
+    to the last window that ends before the slowdown does; 0 if it never left the target,
+    None if it did not come back before the slowdown ended."""
+    began, ended = slowed
+    if ended <= began:
+        return None
+    steps = int((ended - began - WINDOW) / RECOVERY_STEP) + 1
+    within = []
+    for k in range(max(0, steps)):
+        at = began + k * RECOVERY_STEP
+        p99 = _p99_ms([a for a in admitted if at <= a.arrival < at + WINDOW])
+        within.append(math.isnan(p99) or p99 <= target_ms)
+    if not within or not within[-1]:
+        return None
+    last_miss = max((k for k, ok in enumerate(within) if not ok), default=-1)
+    return (last_miss + 1) * RECOVERY_STEP
