@@ -51,6 +51,7 @@ class LlamaServer(Proc):
 
     ``ctx`` is the whole context in tokens, split evenly over ``parallel`` slots; ``threads``
     CPU threads; ``metrics`` adds ``--metrics``; ``extra`` goes at the end of the command.
+    ``new_session`` and ``append_log`` are :class:`Proc`'s (the demo uses both).
     """
 
     def __init__(
@@ -66,6 +67,8 @@ class LlamaServer(Proc):
         alias: str = "smollm2",
         extra: Sequence[str] = (),
         ready_timeout: float = 60.0,
+        new_session: bool = False,
+        append_log: bool = False,
     ) -> None:
         self.port = port or free_port()
         args = [
@@ -81,7 +84,9 @@ class LlamaServer(Proc):
         ]  # fmt: skip
         if metrics:
             args.append("--metrics")
-        super().__init__(name, [*args, *extra], log_dir)
+        super().__init__(
+            name, [*args, *extra], log_dir, new_session=new_session, append_log=append_log
+        )
         try:
             wait_until(self.healthy, ready_timeout, f"{name} ready on port {self.port}")
         except WaitTimeout as exc:

@@ -152,7 +152,7 @@ class Demo:
         banner = self.wait_line(r"Stack is up: Envoy http://localhost:(\d+) .*admin :(\d+)", 90)
         self.url = f"http://127.0.0.1:{banner[1]}"
         self.admin = f"http://127.0.0.1:{banner[2]}"
-        listed = self.wait_line(r"-> simulated workers (.*)", 5)[1]
+        listed = self.wait_line(r"-> (?:simulated|llama\.cpp) workers (.*)", 5)[1]
         self.worker_urls = {
             w: f"http://127.0.0.1:{p}" for w, p in re.findall(r"(\S+) :(\d+)", listed)
         }
