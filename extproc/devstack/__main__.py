@@ -45,8 +45,8 @@ THRESHOLD_FLAGS = (
     "--active-prefill-tokens-threshold",
     "--active-prefill-tokens-threshold-frac",
 )
-FILL_S = 8
-"""About how long 2 slots take to fill half a worker's context here (measured, 1 thread)."""
+FILL_S = "10-15"
+"""How long 2 slots took to fill half a worker's context here (1 thread, 2 shared cores)."""
 POLL_S = 0.2
 """How often the stack looks for an exited process or a restart request."""
 
@@ -109,9 +109,10 @@ Busy rule: {thresholds}.
   curl -s localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":40}}'
 
-  # every slot busy: 4 long generations (2 per worker), then ask again (529 once both
-  # workers hold more than half their context, after about {fill_s} s)
-  for i in 1 2 3 4; do curl -s -o /dev/null localhost:{p.envoy}/v1/completions \\
+  # every slot busy: 6 long generations (2 fill each worker's slots, the others wait for
+  # a slot), then ask again: 529 once both workers hold more than half their context
+  # (after {fill_s} s here)
+  for i in 1 2 3 4 5 6; do curl -s -o /dev/null localhost:{p.envoy}/v1/completions \\
        -H 'content-type: application/json' \\
        -d '{{"model":"{model}","prompt":"Once upon a time","max_tokens":500,"ignore_eos":true}}' \\
        & done
