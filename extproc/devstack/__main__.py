@@ -45,7 +45,7 @@ THRESHOLD_FLAGS = (
     "--active-prefill-tokens-threshold",
     "--active-prefill-tokens-threshold-frac",
 )
-FILL_S = "10-15"
+FILL_S = "10-25"
 """How long 2 slots took to fill half a worker's context here (1 thread, 2 shared cores)."""
 POLL_S = 0.2
 """How often the stack looks for an exited process or a restart request."""
