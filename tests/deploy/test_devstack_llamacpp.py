@@ -3,8 +3,8 @@
 The demo (``python -m extproc.devstack --engine llamacpp --free-ports``) comes up with two
 ``llama-server`` processes serving SmolLM2 and their agents; a chat through Envoy gets
 generated text; with both slots of both engines generating long answers every worker is busy
-by its KV use and the answer is a 529, with ``/debug/workers`` naming the check; a dead engine
-is reported and restarted like a simulated one; Ctrl-C stops everything. Without the engine
+by its KV use and the answer is a 529, with ``/debug/workers`` naming the check; a dead engine,
+then a dead agent, is reported and restarted like a simulated worker; Ctrl-C stops everything. Without the engine
 installed the module fails under CI and skips elsewhere, saying why.
 """
 
@@ -160,8 +160,23 @@ def test_demo_on_llamacpp_serves_sheds_when_every_slot_is_busy_and_stops(tmp_pat
         subprocess.run(restart.split(), check=True, timeout=10)
         demo.wait_line(r"llama-1 started again on :\d+", WAIT)
         wait_until(lambda: "llama-1" in demo.workers(), 10, "llama-1 announced again")
+        again = _processes(demo)
+        assert set(again) == set(started) and again["llama-1"] != started["llama-1"], again
+
+        # Its agent dies instead: reported by name, nothing said bye (the TTL drops the
+        # worker), its engine is stopped; the same command brings both back.
+        mark = len(demo.lines)
+        os.kill(again["llama-1-agent"], signal.SIGKILL)
+        said = demo.wait_line(r"llama-1 exited \((.*)\); .* Log: (\S+)", 10, start=mark)
+        assert said[1] == "llama-1-agent killed by SIGKILL", said[0]
+        assert said[2].endswith("llama-1-agent.log"), said[0]
+        demo.wait_line(r"drops llama-1 when its worker TTL passes", 5, start=mark)
+        wait_until(lambda: _gone(again["llama-1"]), 15, "llama-1's engine stopped")
+        subprocess.run(restart.split(), check=True, timeout=10)
+        demo.wait_line(r"llama-1 started again on :\d+", WAIT, start=mark)
         after = _processes(demo)
-        assert set(after) == set(started) and after["llama-1"] != started["llama-1"], after
+        assert set(after) == set(started), after
+        assert after["llama-1-agent"] != again["llama-1-agent"], after
     finally:
         for conn in streams:
             conn.close()
