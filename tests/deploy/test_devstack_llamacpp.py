@@ -4,8 +4,9 @@ The demo (``python -m extproc.devstack --engine llamacpp --free-ports``) comes u
 ``llama-server`` processes serving SmolLM2 and their agents; a chat through Envoy gets
 generated text; with both slots of both engines generating long answers every worker is busy
 by its KV use and the answer is a 529, with ``/debug/workers`` naming the check; a dead engine,
-then a dead agent, is reported and restarted like a simulated worker; Ctrl-C stops everything. Without the engine
-installed the module fails under CI and skips elsewhere, saying why.
+then a dead agent, is reported and restarted like a simulated worker; Ctrl-C stops
+everything. Without the engine installed the module fails under CI and skips elsewhere,
+saying why.
 """
 
 from __future__ import annotations
