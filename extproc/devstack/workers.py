@@ -4,8 +4,8 @@ A :class:`WorkerKind` knows how to start one worker (its processes: an engine, a
 real engine the sidecar agent beside it) and how to tell that it serves. A
 :class:`WorkerSlot` is one worker of the demo (id and port, fixed for its lifetime): it
 starts the kind's processes, notices when one of them exits and starts them again on
-request. The simulated engine is the kind the demo runs today; another engine slots in
-as another kind with the same two methods.
+request. Two kinds: the simulated engine (:class:`SimWorkers`) and llama.cpp's
+``llama-server`` with its sidecar agent (:class:`LlamaCppWorkers`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from extproc.devstack.procs import Proc, SimProcess, answers, cli_flags, wait_until
+from extproc.devstack.llamacpp import LlamaServer
+from extproc.devstack.procs import AgentProcess, Proc, SimProcess, answers, cli_flags, wait_until
 
 START_TIMEOUT = 20.0
 """Seconds a worker has to serve after its start (the simulated engine needs about one)."""
+ENGINE_LOAD_TIMEOUT = 60.0
+"""Seconds llama-server has to load SmolLM2 (1-3 s here; more with both cores busy)."""
 
 
 class WorkerKind(Protocol):
@@ -71,6 +74,63 @@ class SimWorkers:
         return answers(f"http://127.0.0.1:{port}/health")
 
 
+@dataclass(frozen=True)
+class LlamaCppWorkers:
+    """llama.cpp's ``llama-server`` serving SmolLM2 on the worker's port, and beside it the
+    sidecar agent (``python -m llmworker.agent --engine llamacpp``) publishing its load to
+    ``publish``. The agent starts once the engine answers ``/health``."""
+
+    model: str
+    publish: str
+    ctx: int = 1024
+    parallel: int = 2
+    threads: int = 1
+    block_size: int = 16
+    interval: float = 0.1
+
+    def agent_args(self, worker_id: str, port: int) -> list[str]:
+        engine = f"127.0.0.1:{port}"
+        return cli_flags(
+            engine="llamacpp",
+            engine_url=f"http://{engine}",
+            model=self.model,
+            endpoint=engine,
+            worker_id=worker_id,
+            block_size=self.block_size,
+            interval=self.interval,
+            publish=self.publish,
+        )
+
+    def start(self, worker_id: str, port: int, log_dir: Path, *, append_log: bool) -> list[Proc]:
+        engine = LlamaServer(
+            log_dir,
+            name=worker_id,
+            port=port,
+            ctx=self.ctx,
+            parallel=self.parallel,
+            threads=self.threads,
+            alias=self.model,
+            ready_timeout=ENGINE_LOAD_TIMEOUT,
+            new_session=True,
+            append_log=append_log,
+        )
+        try:
+            agent = AgentProcess(
+                self.agent_args(worker_id, port),
+                log_dir=log_dir,
+                name=f"{worker_id}-agent",
+                new_session=True,
+                append_log=append_log,
+            )
+        except BaseException:
+            engine.stop()
+            raise
+        return [engine, agent]
+
+    def serving(self, port: int) -> bool:
+        return answers(f"http://127.0.0.1:{port}/health")
+
+
 def exit_status(code: int) -> str:
     """``-9`` -> ``killed by SIGKILL``, ``1`` -> ``exit status 1``."""
     if code < 0:
@@ -90,6 +150,9 @@ class WorkerSlot:
     kind: WorkerKind
     procs: list[Proc] = field(default_factory=list)
     starts: int = 0
+    publisher_died: bool = False
+    """The last exit was the process that publishes the load (the kind's last one): it said
+    nothing. Otherwise the publisher was stopped in order and said ``bye``."""
 
     @property
     def running(self) -> bool:
@@ -116,6 +179,7 @@ class WorkerSlot:
         """The first of its processes that has exited (the others are stopped), or None."""
         dead = next((p for p in self.procs if not p.alive()), None)
         if dead is not None:
+            self.publisher_died = dead is self.procs[-1]
             self.stop()
         return dead
 

@@ -92,12 +92,15 @@ def _docker_compose(*args: str) -> str:
 
 def test_compose_config_is_valid() -> None:
     _docker_compose("-f", str(COMPOSE), "config", "-q")
-    # The loadtest profile is valid too.
+    # The profiles are valid too.
+    for profile in ("loadtest", "llamacpp"):
+        _docker_compose("-f", str(COMPOSE), "--profile", profile, "config", "-q")
     services = _docker_compose("-f", str(COMPOSE), "--profile", "loadtest", "config", "--services")
     # docker-compose 1.29 lists every service here, whatever the profile.
     assert set(services.split()) == {
         "extproc",
         "worker",
+        "llamacpp",
         "envoy",
         "locust",
         "prometheus",
@@ -328,3 +331,89 @@ def test_dockerfile_copies_what_exists() -> None:
             if line.startswith("!")}  # fmt: skip
     for src in sources:
         assert src.rstrip("/") in kept, f".dockerignore excludes {src}, which the Dockerfile copies"
+
+
+# --- the llama.cpp worker (profile llamacpp) ----------------------------------------------
+
+
+def _llamacpp_commands() -> tuple[list[str], list[str]]:
+    """The llama.cpp service's two commands as argv: the engine and the agent.
+
+    Its ``bash -c`` script starts both in the background, stops the other when one exits and
+    passes SIGTERM on; the commands are the two parts before ``&``."""
+    service = _services()["llamacpp"]
+    argv = [str(a) for a in service["command"]]
+    assert argv[:2] == ["bash", "-c"], argv
+    script = argv[2]
+    for shell, sample in {
+        "\"$(hostname -i | cut -d ' ' -f 1):8000\"": "172.18.0.7:8000",
+        '"llamacpp-$(hostname)"': "llamacpp-0123456789ab",
+    }.items():
+        script = script.replace(shell, sample)
+    engine, agent, supervision = script.split(" & ", 2)
+    assert "wait -n" in supervision and "kill -TERM $(jobs -p)" in supervision, supervision
+    assert supervision.startswith("trap ") and " TERM INT;" in supervision, supervision
+    engine_argv, agent_argv = shlex.split(engine), shlex.split(agent)
+    for part in (engine_argv, agent_argv):
+        assert not any("$" in a for a in part), part
+    return engine_argv, agent_argv
+
+
+def test_llamacpp_service_is_a_profile_in_the_worker_pool() -> None:
+    service = _services()["llamacpp"]
+    assert service["profiles"] == ["llamacpp"]
+    assert service["build"] == {"context": ".", "target": "llamacpp"}
+    assert service["restart"] == "unless-stopped" and service["init"] is True
+    assert service["healthcheck"]["test"]
+    # Envoy's "workers" cluster is the DNS name "worker": the alias makes it a member.
+    assert service["networks"]["default"]["aliases"] == ["worker"]
+    assert "ports" not in service
+    text = (ROOT / "Dockerfile").read_text()
+    assert "FROM shedder AS llamacpp" in text
+    assert text.rstrip().splitlines()[-1] == "FROM shedder"  # the default image stays lean
+
+
+def test_llamacpp_service_commands_exist_and_accept_their_flags() -> None:
+    engine, agent = _llamacpp_commands()
+    assert engine[:3] == ["python", "-m", "extproc.devstack.llamacpp"], engine
+    assert agent[:3] == ["python", "-m", "llmworker.agent"], agent
+    from extproc.devstack.llamacpp import EngineMissing, llama_server_binary
+
+    try:
+        binary = llama_server_binary()
+    except EngineMissing as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real engine is required under CI: {exc}", pytrace=False)
+        pytest.skip(f"the real engine is not installed: {exc}")
+    engine_help = subprocess.run(
+        [binary, "--help"], capture_output=True, text=True, timeout=30
+    ).stdout
+    for flag in _flags(engine[3:]):
+        assert _help_lists(engine_help, flag), f"llama-server --help has no {flag}"
+    agent_help = subprocess.run(
+        [sys.executable, "-m", "llmworker.agent", "--help"],
+        capture_output=True, text=True, timeout=30, cwd=ROOT,
+    ).stdout  # fmt: skip
+    for flag in _flags(agent[3:]):
+        assert _help_lists(agent_help, flag), f"`python -m llmworker.agent --help` has no {flag}"
+
+
+def test_llamacpp_agent_watches_its_engine_and_announces_a_pool_member() -> None:
+    from extproc.settings import load_settings
+    from llmworker.agent import parse_args
+
+    engine, agent = _llamacpp_commands()
+    settings, _ = parse_args(agent[3:], environ={})
+    port = int(engine[engine.index("--port") + 1])
+    assert settings.engine == "llamacpp"
+    assert str(settings.engine_url) == f"http://127.0.0.1:{port}"
+    assert settings.model == engine[engine.index("--alias") + 1] == "smollm2"
+    assert "--metrics" in engine  # the agent stops at start without it
+    # The address it announces is what Envoy resolves "worker" to, on the cluster's port.
+    assert settings.endpoint == f"172.18.0.7:{port}"
+    compose_cfg = yaml.safe_load((ROOT / "envoy" / "envoy-compose.yaml").read_text())
+    assert _endpoints(compose_cfg)["workers"][1] == [("worker", port)]
+    assert engine[engine.index("--host") + 1] == "0.0.0.0"
+    ext = load_settings(_argv(_services()["extproc"])[3:])
+    event_port = ext.event_bind[0].rsplit(":", 1)[1]
+    assert settings.publish == (f"tcp://extproc:{event_port}",)

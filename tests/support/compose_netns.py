@@ -51,7 +51,9 @@ DNS_SCRIPT = Path(__file__).with_name("compose_dns.py")
 # locust's arguments only). Envoy's entrypoint runs a command that starts with "envoy" as is.
 ENTRYPOINTS = {"locustio/locust": ["locust"]}
 # What the project's Dockerfile sets with ENV.
-IMAGE_ENV = {"envoy-llm-shedder": {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}}
+# The llama.cpp worker's image is the same with the engine added (``make engine`` here).
+_SHEDDER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+IMAGE_ENV = {"envoy-llm-shedder": _SHEDDER_ENV, "envoy-llm-shedder-llamacpp": _SHEDDER_ENV}
 HEALTH_POLL = 0.5
 STOP_GRACE = 10.0  # docker stop's default
 
@@ -448,6 +450,11 @@ class Rehearsal:
             if c.stopped:
                 continue
             records.setdefault(c.service, []).append(c.ip)
+            # A network alias answers with every container that has it, as a service name.
+            networks = self.services[c.service].get("networks") or {}
+            for net in networks.values() if isinstance(networks, dict) else ():
+                for alias in (net or {}).get("aliases") or []:
+                    records.setdefault(alias, []).append(c.ip)
             records[c.name] = [c.ip]
             records[c.hostname] = [c.ip]
         self.net.set_records(records)
