@@ -10,9 +10,13 @@ from typing import Any
 
 from extproc.devstack import Envoy, Extproc, checkout_file, http
 from loadtest.shedbench.config import MODEL, Config
-from loadtest.shedbench.workers import SimWorkers, Workers
+from loadtest.shedbench.workers import Workers, workers_for
 
-THRESHOLDS = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold_frac")
+THRESHOLDS = (
+    "active_decode_blocks_threshold",
+    "active_prefill_tokens_threshold",
+    "active_prefill_tokens_threshold_frac",
+)
 
 WorkersFactory = Callable[[Config, Extproc, Path], Workers]
 
@@ -25,7 +29,7 @@ class Stack:
         cfg: Config,
         log_dir: Path,
         extproc_args: Sequence[str] = (),
-        workers: WorkersFactory = SimWorkers,
+        workers: WorkersFactory = workers_for,
     ) -> None:
         self.cfg = cfg
         args = ["--log-level", "WARNING", *extproc_args]
@@ -60,7 +64,8 @@ class Stack:
     def thresholds(self, on: bool) -> None:
         """The configured busy thresholds (``on``), or none, set with ``POST /busy_threshold``."""
         body: dict[str, Any] = {"model": MODEL}
-        values = (self.cfg.decode_threshold, self.cfg.prefill_frac_threshold)
+        c = self.cfg
+        values = (c.decode_threshold, c.prefill_threshold, c.prefill_frac_threshold)
         body["disable"] = [
             n for n, v in zip(THRESHOLDS, values, strict=True) if not on or v is None
         ]

@@ -2,9 +2,10 @@
 
 A benchmark talks to its workers only through :class:`Workers`: their HTTP ports (for
 Envoy's cluster) and :meth:`Workers.load`, the engines' queue and cache read from their
-Prometheus metrics. :class:`SimWorkers`, two simulated vLLM-like engines that publish
-their load to the extproc, is the one implementation; another engine (llama.cpp's
-``llama-server`` behind the sidecar agent, say) is another class with the same three members.
+own pages. :class:`SimWorkers`: two simulated vLLM-like engines that publish their load to
+the extproc. :class:`LlamaWorkers`: two llama.cpp ``llama-server`` processes serving
+SmolLM2-135M on this CPU, each with the sidecar agent (``--engine llamacpp``) publishing
+its load. :func:`workers_for` picks the class a :class:`Config` names.
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ from typing import Protocol
 
 import aiohttp
 
-from extproc.devstack import Extproc, SimProcess, cli_flags, free_port, metric_sums, wait_until
-from loadtest.shedbench.config import MODEL, Config
+from extproc.devstack import (
+    AgentProcess,
+    Extproc,
+    SimProcess,
+    cli_flags,
+    free_port,
+    metric_sums,
+    wait_until,
+)
+from extproc.devstack.llamacpp import LlamaServer
+from llmworker.llamacpp import SLOTS_PATH, parse_llamacpp
+from loadtest.shedbench.config import LLAMACPP, MODEL, Config
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,97 @@ class SimWorkers:
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop()
+
+
+class LlamaWorkers:
+    """Two ``llama-server`` (SmolLM2-135M, ``--parallel max_num_seqs``, a context of
+    ``kv_total_blocks x block_size`` tokens, one CPU thread each), each with its agent.
+
+    The agent scrapes ``/metrics`` and ``/slots`` every :attr:`SCRAPE` seconds and publishes
+    the load to the extproc; Envoy sends requests to the engines' own ports.
+    """
+
+    count = 2
+    THREADS = 1  # one CPU thread per engine: two engines share this 2-core machine
+    SCRAPE = 0.1  # the agents' --interval, seconds
+
+    def __init__(self, cfg: Config, ext: Extproc, log_dir: Path) -> None:
+        self.cfg = cfg
+        self.servers: list[LlamaServer] = []
+        self.agents: list[AgentProcess] = []
+        try:
+            for i in range(1, self.count + 1):
+                server = LlamaServer(
+                    log_dir,
+                    name=f"llama-{i}",
+                    ctx=cfg.kv_total_blocks * cfg.block_size,
+                    parallel=cfg.max_num_seqs,
+                    threads=self.THREADS,
+                    alias=MODEL,
+                    extra=["--batch-size", str(cfg.max_num_batched_tokens),
+                           "--ubatch-size", str(cfg.max_num_batched_tokens),
+                           # No prompt cache in RAM: the thresholds-on cell sends the same
+                           # bodies as the thresholds-off one and must pay for its prompts.
+                           "--cache-ram", "0"],
+                )  # fmt: skip
+                self.servers.append(server)
+                self.agents.append(
+                    AgentProcess(
+                        [
+                            "--engine", LLAMACPP, "--engine-url", server.url, "--model", MODEL,
+                            "--endpoint", server.endpoint, "--worker-id", f"llama-{i}",
+                            "--block-size", str(cfg.block_size),
+                            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                            "--interval", str(self.SCRAPE), "--publish", ext.event_endpoint,
+                            "--log-level", "WARNING",
+                        ],
+                        log_dir=log_dir,
+                        name=f"agent-llama-{i}",
+                    )
+                )  # fmt: skip
+            wait_until(lambda: len(ext.workers()) == self.count, 60, "both agents announced")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
+        running = waiting = 0.0
+        usage: list[float] = []
+        for server in self.servers:
+            async with session.get(server.url + "/metrics") as resp:
+                snap = parse_llamacpp(await resp.text(), await _slots_text(session, server))
+            rank = snap.ranks[0]
+            running += rank.num_running or 0
+            waiting += rank.num_waiting or 0  # deferred, and in a slot before the first token
+            usage.append((rank.kv_used_tokens or 0) / (rank.kv_total_tokens or 1))
+        return EngineLoad(
+            running=running,
+            waiting=waiting,
+            kv_usage=sum(usage) / len(usage),
+            preemptions=0.0,  # llama.cpp does not preempt: a request keeps its slot
+        )
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        for server in self.servers:
+            server.stop()
+
+
+async def _slots_text(session: aiohttp.ClientSession, server: LlamaServer) -> str:
+    async with session.get(server.url + SLOTS_PATH) as resp:
+        return await resp.text()
+
+
+def workers_for(cfg: Config, ext: Extproc, log_dir: Path) -> Workers:
+    """The workers ``cfg.engine`` names."""
+    if cfg.engine == LLAMACPP:
+        return LlamaWorkers(cfg, ext, log_dir)
+    return SimWorkers(cfg, ext, log_dir)
 
 
 @dataclass
