@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shlex
 import sys
@@ -43,6 +44,7 @@ from extproc.devstack import ROOT
 from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
 from loadtest.shedbench.config import ENGINES, LLAMACPP, SIM, Config
+from loadtest.shedbench.cpu import CpuMeter
 from loadtest.shedbench.plots import plot
 from loadtest.shedbench.recovery import RecoveryPlan, measure_recovery
 from loadtest.shedbench.report import Results, markdown
@@ -54,6 +56,7 @@ from loadtest.shedbench.workers import EngineSamples, sample, wait_idle
 
 async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None) -> Results:
     started = time.monotonic()
+    load_average = [os.getloadavg()[0]]
     rng = random.Random(cfg.seed)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -63,7 +66,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         unloaded = await measure_unloaded(session, stack, cfg, rng, full=3)
         log(f"unloaded: TTFT p50 {unloaded.ttft_p50_ms:.1f} ms p99 "
             f"{unloaded.ttft_p99_ms:.1f} ms, e2e p99 {unloaded.e2e_p99_ms:.0f} ms")  # fmt: skip
-        await wait_idle(session, stack.engines, 30)
+        await wait_idle(session, stack.engines)
 
         # 2. capacity: closed-loop sweep, thresholds off
         if cfg.capacity:
@@ -88,15 +91,19 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
                 sampler = asyncio.create_task(
                     sample(session, stack.engines, cfg.cell_seconds, samples)
                 )
+                meter = CpuMeter({**stack.processes(), "client": [os.getpid()]})
+                meter.start()
                 # The same arrivals and bodies with thresholds off and on.
                 arrivals = random.Random(f"{cfg.seed}-{load}")
                 outcomes = await open_loop(session, stack.url, cfg, rate, arrivals)
+                cpu = meter.stop()
                 await sampler
-                await wait_idle(session, stack.engines, 30)
+                await wait_idle(session, stack.engines)
                 after = await stack.engines.load(session)
                 samples.preemptions = after.preemptions - before.preemptions
                 slo = 2 * unloaded.ttft_p99_ms / 1e3
                 cell = summarize(cfg, load, on, rate, outcomes, samples, slo)
+                cell.cpu = cpu
                 cells.append(cell)
                 log(
                     f"{load:g}x thresholds {'on ' if on else 'off'}: goodput "
@@ -120,6 +127,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         knee_concurrency=int(knee["concurrency"]),
         cells=cells,
         seconds=time.monotonic() - started,
+        load_average=[*load_average, os.getloadavg()[0]],
         recovery_plan=plan,
         recovery=rounds,
     )
@@ -145,7 +153,8 @@ ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
         "max_num_batched_tokens": 2048, "speedup": 2.0,
         "prompt_tokens": 512, "max_tokens": 128,
         "decode_threshold": 0.9, "prefill_threshold": None, "prefill_frac_threshold": 0.4,
-        "loads": "0.5,1,2,3", "unloaded_probes": 201,
+        "loads": "0.5,1,2,3", "unloaded_probes": 201, "sweep_seconds": 14.0,
+        "recovery_loads": ",".join(f"{x:g}" for x in RecoveryPlan().loads),
         "recovery_rounds": RecoveryPlan().rounds, "probe_rate": RecoveryPlan().probe_rate,
         "probe_seconds": RecoveryPlan().probe_seconds, "recovery_window": RecoveryPlan().window,
     },
@@ -157,7 +166,12 @@ ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
         # Busy above 12 blocks (two requests in the slots) or with a prompt being evaluated.
         "decode_threshold": 0.2, "prefill_threshold": 16, "prefill_frac_threshold": None,
         "loads": "1,3,10", "unloaded_probes": 41,
-        "recovery_rounds": 1, "probe_rate": 2.0, "probe_seconds": 8.0, "recovery_window": 8,
+        # 14 s at about 1 req/s would count 8 completions: too coarse for a capacity.
+        "sweep_seconds": 24.0,
+        # No recovery rounds: a probe costs nearly a whole request here (the prompt is most
+        # of the work), so probes often enough to time recovery are an overload of their own.
+        "recovery_loads": "",
+        "recovery_rounds": 1, "probe_rate": 1.0, "probe_seconds": 10.0, "recovery_window": 6,
     },
 }  # fmt: skip
 
@@ -180,8 +194,10 @@ def _loads(flag: str, text: str, allow_none: bool = False) -> tuple[float, ...]:
 
 
 def _by_engine(key: str) -> str:
-    sim, llama = ENGINE_DEFAULTS[SIM][key], ENGINE_DEFAULTS[LLAMACPP][key]
-    return f"default: {sim} on sim, {llama} on llamacpp"
+    sim, llama = (ENGINE_DEFAULTS[e][key] for e in (SIM, LLAMACPP))
+    return f"default: {sim if sim != '' else repr(sim)} on sim, " + (
+        f"{llama if llama != '' else repr(llama)} on llamacpp"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None, Path]:
@@ -232,16 +248,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
     p.add_argument("--cell-seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=4.0)
     p.add_argument("--grace", type=float, default=5.0)
-    p.add_argument("--sweep-seconds", type=float, default=14.0)
+    p.add_argument("--sweep-seconds", type=float, help=_by_engine("sweep_seconds"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the table and plots")
     rec = p.add_argument_group("recovery after overload (thresholds on)")
     d = RecoveryPlan()
     rec.add_argument(
         "--recovery-loads",
-        default=",".join(f"{x:g}" for x in d.loads),
-        help="overload phases, multiples of capacity, comma-separated ('' = no recovery phase; "
-        "default: %(default)s)",
+        help="overload phases, multiples of capacity, comma-separated ('' = no recovery "
+        "phase); " + _by_engine("recovery_loads"),
     )
     rec.add_argument("--recovery-rounds", type=int,
                      help="rounds per load; " + _by_engine("recovery_rounds"))  # fmt: skip

@@ -69,6 +69,6 @@ async def sweep_capacity(
         rps = len(done) / (cfg.sweep_seconds - warm)
         sweep.append({"concurrency": concurrency, "completed_rps": rps})
         log(f"sweep c={concurrency}: {rps:.2f} completed req/s")
-        await wait_idle(session, stack.engines, 30)
+        await wait_idle(session, stack.engines)
     best = max(s["completed_rps"] for s in sweep)
     return sweep, next(s for s in sweep if s["completed_rps"] >= 0.95 * best)

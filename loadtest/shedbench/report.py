@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 
 from loadtest.shedbench.classes import ALONE, CLASS_HEADER, MIX, RETRY, MixedCell, Retry
@@ -30,6 +31,7 @@ class Results:
     seconds: float
     recovery_plan: RecoveryPlan | None = None
     recovery: list[RecoveryRound] = field(default_factory=list)
+    load_average: list[float] = field(default_factory=list)  # 1-min, at the start and end
 
     def loads_present(self) -> list[float]:
         return sorted({c.load for c in self.cells})
@@ -121,9 +123,46 @@ includes streams cut off at the end of the cell (a lower bound). Rejected = over
 (529) / requests sent. {engine_columns(cfg)}
 
 {verdict}
-{recovery}
+{cpu_markdown(res)}{recovery}
 ![goodput]({cfg.name}-goodput.png)
 ![latency]({cfg.name}-latency.png)
+"""
+
+
+def cpu_markdown(res: Results) -> str:
+    """Where the CPU went in each cell; empty if not measured."""
+    cells = [c for c in res.cells if c.cpu]
+    if not cells:
+        return ""
+    parts = list(cells[0].cpu)
+    rows = [
+        "| offered load | thresholds | " + " | ".join(parts) + " | engines per completed request |",
+        "|---|---|" + "---|" * (len(parts) + 1),
+    ]
+    for c in cells:
+        done = c.goodput_rps * (res.config.cell_seconds - res.config.warmup)
+        per = f"{c.cpu.get('engines', 0) / done:.2f}" if done else "—"
+        rows.append(
+            f"| {c.load:g}x | {'on' if c.thresholds else 'off'} | "
+            + " | ".join(f"{c.cpu[p]:.1f}" for p in parts)
+            + f" | {per} |"
+        )
+    machine = ""
+    if len(res.load_average) == 2:
+        machine = (
+            f" The machine's 1-minute load average was {res.load_average[0]:.1f} at the start "
+            f"of the run and {res.load_average[1]:.1f} at its end."
+        )
+    return f"""
+### Where the CPU went
+
+Core-seconds used while each cell's requests ran (arrivals and grace), from `/proc`: the \
+engines, {"their agents, " if "agents" in parts else ""}the extproc, Envoy, this load \
+generator (`client`), and `other`: everything else the machine ran meanwhile (other work \
+sharing its {os.cpu_count()} cores). "engines per completed request": engine core-seconds over \
+the requests completed in the cell's window.{machine}
+
+{chr(10).join(rows)}
 """
 
 

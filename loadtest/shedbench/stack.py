@@ -75,6 +75,14 @@ class Stack:
         if status != 200:
             raise RuntimeError(f"POST /busy_threshold -> {status}: {reply!r}")
 
+    def processes(self) -> dict[str, list[int]]:
+        """The stack's PIDs by part: the workers', ``extproc`` and ``envoy``."""
+        parts = dict(self.engines.processes())
+        parts["extproc"] = [self.ext.proc.pid]
+        if self.envoy is not None:
+            parts["envoy"] = [self.envoy.proc.pid]
+        return parts
+
     def describe(self) -> str:
         envoy = self.envoy.url if self.envoy is not None else "-"
         return f"envoy {envoy}, workers {self.engines.ports}"

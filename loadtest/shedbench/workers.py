@@ -51,8 +51,17 @@ class Workers(Protocol):
         """Their HTTP ports on 127.0.0.1."""
         ...
 
+    @property
+    def drain_timeout(self) -> float:
+        """Seconds the workers may take to be empty after their clients went away."""
+        ...
+
     async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
         """Scrape every worker once."""
+        ...
+
+    def processes(self) -> dict[str, list[int]]:
+        """Their PIDs by part (``engines``, ``agents``), for the CPU they use."""
         ...
 
     def stop(self) -> None: ...
@@ -62,6 +71,7 @@ class SimWorkers:
     """Two simulated engines (``python -m llmworker.sim``) that publish load to the extproc."""
 
     count = 2
+    drain_timeout = 30.0  # a cancelled stream aborts at once
 
     def __init__(self, cfg: Config, ext: Extproc, log_dir: Path) -> None:
         self.cfg = cfg
@@ -114,6 +124,9 @@ class SimWorkers:
             preemptions=total.get("vllm:num_preemptions_total", 0.0),
         )
 
+    def processes(self) -> dict[str, list[int]]:
+        return {"engines": [p.pid for p in self.procs]}
+
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop()
@@ -128,6 +141,10 @@ class LlamaWorkers:
     """
 
     count = 2
+    # Requests whose clients left are dropped only as a slot takes them (measured through
+    # Envoy: a backlog of 28 drained in 9 s), so a cell at 10x without thresholds leaves
+    # minutes of them behind without this much time.
+    drain_timeout = 180.0
     THREADS = 1  # one CPU thread per engine: two engines share this 2-core machine
     SCRAPE = 0.1  # the agents' --interval, seconds
 
@@ -191,6 +208,9 @@ class LlamaWorkers:
             preemptions=0.0,  # llama.cpp does not preempt: a request keeps its slot
         )
 
+    def processes(self) -> dict[str, list[int]]:
+        return {"engines": [s.pid for s in self.servers], "agents": [a.pid for a in self.agents]}
+
     def stop(self) -> None:
         for agent in self.agents:
             agent.stop()
@@ -233,8 +253,12 @@ async def sample(
         await asyncio.sleep(0.25)
 
 
-async def wait_idle(session: aiohttp.ClientSession, workers: Workers, timeout: float) -> None:
-    """Until every engine has nothing running or waiting (cancelled streams abort)."""
+async def wait_idle(
+    session: aiohttp.ClientSession, workers: Workers, timeout: float | None = None
+) -> None:
+    """Until every engine has nothing running or waiting (cancelled streams abort); at most
+    ``timeout`` seconds (default: the workers' ``drain_timeout``)."""
+    timeout = workers.drain_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = await workers.load(session)
