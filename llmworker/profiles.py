@@ -17,7 +17,7 @@ request waits for a slot; a request never loses its slot (no preemption).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Final
+from typing import Any, Final
 
 from llmworker.engine import EngineConfig
 
@@ -36,20 +36,8 @@ PROFILES: Final[dict[str, EngineConfig]] = {
     ),
 }
 
-# The EngineConfig fields a profile sets, by the simulator's flag names.
-PROFILE_FIELDS: Final = (
-    "kv_total_blocks",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "step_base_s",
-    "step_prefill_token_s",
-    "step_decode_seq_s",
-    "preemption",
-)
 
-
-def profile_config(name: str, **given: object) -> EngineConfig:
+def profile_config(name: str, **given: Any) -> EngineConfig:
     """The profile ``name`` with the engine settings ``given`` (EngineConfig fields) on top."""
     try:
         base = PROFILES[name]
