@@ -78,8 +78,9 @@ def test_llamacpp_overload_collapses_off_and_sheds_on(
     off, on = cells[False], cells[True]
     assert off["sent"] == on["sent"] > 10  # the same seeded arrivals both times
 
-    # Off: nothing shed; more requests than the 4 slots, so they wait for one.
-    assert off["rejected"] == 0 and off["errors"] == 0
+    # Off: nothing shed; more requests than the 4 slots, so they wait for one, and some
+    # have no answer yet (not even headers) when the cell is cut.
+    assert off["rejected"] == 0
     assert off["waiting_max"] >= 3
     # On: a share is shed at once, nothing fails, and the accepted ones start sooner.
     assert on["rejected"] > 0 and on["errors"] == 0
