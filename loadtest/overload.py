@@ -2,7 +2,9 @@
 and the recovery after an overload.
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the repo's filter chain, the
-extproc, two simulated vLLM-like workers that publish their load), then:
+extproc, and two workers that publish their load: simulated vLLM-like engines, or with
+``--engine llamacpp`` two llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU, each
+with its agent), then:
 
 1. **unloaded** — one request at a time: the reference p99 TTFT;
 2. **capacity** — closed-loop sweep of concurrency with thresholds off; capacity is the
@@ -17,13 +19,14 @@ extproc, two simulated vLLM-like workers that publish their load), then:
 Every request is the same streaming chat completion. Per cell: goodput (2xx completed per
 second inside the arrival window, after warm-up), p50/p99 TTFT and p99 end-to-end latency of
 the accepted requests that arrived after warm-up, rejection rate, the workers' preemptions
-(``vllm:num_preemptions_total``) and waiting queue (``vllm:num_requests_waiting``). Requests
+and waiting queue, and the CPU each part of the stack used. Requests
 still running ``--grace`` seconds after the window are cancelled and count at the cut-off
 time (the percentile is then a lower bound, shown as ``>=``). Writes a markdown table, a JSON
-file and two PNG plots under ``--out``.
+file and two PNG plots under ``--out`` (``overload-*``, or ``overload-llamacpp-*``).
 
     python -m loadtest.overload                      # ~5-6 minutes on 2 cores
     python -m loadtest.overload --loads 1,3 --cell-seconds 10   # quicker look
+    python -m loadtest.overload --engine llamacpp    # ~7 minutes on 2 cores
 """
 
 from __future__ import annotations
