@@ -76,7 +76,7 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
 	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
-.PHONY: loadtest overload overload-classes slo compose-check compose-rehearsal
+.PHONY: loadtest overload overload-llamacpp overload-classes slo compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 HOST ?= http://127.0.0.1:8000
 
@@ -94,6 +94,9 @@ loadtest: $(LOADTEST_STAMP) ## Locust, 20 users for 30 s, against `make demo` (H
 
 overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds off/on, recovery after overload (~6 min; docs/overload-*)
 	$(PY) -m loadtest.overload $(ARGS)
+
+overload-llamacpp: $(LOADTEST_STAMP) $(ENGINE_STAMP) ## The same on 2 llama.cpp llama-server (SmolLM2, this CPU): 1x, 3x, 10x (~7 min; docs/overload-llamacpp-*)
+	$(PY) -m loadtest.overload --engine llamacpp $(ARGS)
 
 overload-classes: $(LOADTEST_STAMP) ## Mixed request classes at 1x, 3x, 10x, with and without retries (~4 min; docs/classes-*)
 	$(PY) -m loadtest.mixed $(ARGS)

@@ -44,6 +44,7 @@ from llmworker.engine import (
 )
 from llmworker.httpserver import json_error, listen, rejection_response
 from llmworker.netaddr import advertised_endpoint, join_host_port
+from llmworker.profiles import PROFILES, profile_config
 from llmworker.settings import Number, Whole, option
 
 log = logging.getLogger("llmworker.sim")
@@ -782,6 +783,16 @@ class SimFlags(cli.WorkerFlags):
         action="store_true",
         expected="a switch",
     )
+    profile: str | None = option(
+        None,
+        "--profile",
+        "engine",
+        "size and step costs of a real engine as measured (llamacpp-cpu: llama.cpp serving "
+        "SmolLM2-135M on one CPU thread, 2 slots, 1024 tokens of context); engine flags "
+        "given beside it win; unset = the simulator's own defaults",
+        choices=tuple(PROFILES),
+        expected="a profile name: " + ", ".join(PROFILES),
+    )
     publish: list[cli.ZmqEndpoint] = option(
         [],
         "--publish",
@@ -807,17 +818,23 @@ class SimFlags(cli.WorkerFlags):
         return self
 
     def engine(self) -> EngineConfig:
-        return EngineConfig(
-            kv_total_blocks=self.kv_total_blocks,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            step_base_s=self.step_base_ms / 1e3,
-            step_prefill_token_s=self.step_prefill_token_us / 1e6,
-            step_decode_seq_s=self.step_decode_seq_us / 1e6,
-            speedup=self.speedup,
-            preemption=not self.no_preemption,
-        )
+        # flag field -> (EngineConfig field, value)
+        values: dict[str, tuple[str, Any]] = {
+            "kv_total_blocks": ("kv_total_blocks", self.kv_total_blocks),
+            "block_size": ("block_size", self.block_size),
+            "max_num_seqs": ("max_num_seqs", self.max_num_seqs),
+            "max_num_batched_tokens": ("max_num_batched_tokens", self.max_num_batched_tokens),
+            "step_base_ms": ("step_base_s", self.step_base_ms / 1e3),
+            "step_prefill_token_us": ("step_prefill_token_s", self.step_prefill_token_us / 1e6),
+            "step_decode_seq_us": ("step_decode_seq_s", self.step_decode_seq_us / 1e6),
+            "speedup": ("speedup", self.speedup),
+            "no_preemption": ("preemption", not self.no_preemption),
+        }
+        if self.profile is None:
+            return EngineConfig(**dict(values.values()))
+        # The profile, with the engine flags that were given on top of it.
+        given = dict(v for name, v in values.items() if name in self.model_fields_set)
+        return profile_config(self.profile, **given)
 
 
 def build_parser() -> argparse.ArgumentParser:

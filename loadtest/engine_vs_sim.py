@@ -3,8 +3,10 @@
 ``python -m loadtest.engine_vs_sim [--levels 1,2,4] [--rounds 3] [--out docs]``
 
 One llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU (2 slots, 1024 tokens of
-context, 1 thread), with its sidecar agent, and one simulated worker (``llmworker.sim``) sized
-alike (64 KV blocks of 16 tokens, 2 sequences at once), both at real pace. At each level of
+context, 1 thread), with its sidecar agent; one simulated worker (``llmworker.sim``) sized
+alike (64 KV blocks of 16 tokens, 2 sequences at once) with its default step costs; and one
+simulated worker with ``--profile llamacpp-cpu`` (the same size, and step costs set to the
+engine's as measured), all at real pace. At each level of
 concurrency, ``--rounds`` waves of that many identical streaming chat completions go straight
 to each worker (no router). Measured per worker and level: TTFT and inter-token time (median
 and p90 of all requests and gaps), and from the load events each publishes (the engine's agent,
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,10 @@ import zmq.asyncio
 from extproc.devstack import AgentProcess, SimProcess, free_port, wait_until
 from extproc.devstack.llamacpp import LlamaServer
 from extproc.events.schema import ConfigEvent, LoadEvent, decode
+from llmworker.profiles import LLAMACPP_CPU
 
 MODEL = "smollm2"
+PROFILED = f"sim-{LLAMACPP_CPU}"  # the worker id of the simulator with the profile
 PROMPT = "Write a very long story about a lighthouse keeper and the sea. " * 10
 MAX_TOKENS = 48
 BLOCK = 16
@@ -208,7 +213,12 @@ def write(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, secs:
     text = (
         "# Simulated worker against the real engine\n\n"
         "Written by `python -m loadtest.engine_vs_sim` "
-        f"(levels {args.levels}, {args.rounds} rounds each, {secs:.0f} s). "
+        f"(levels {args.levels}, {args.rounds} rounds each, {secs:.0f} s). Workers: "
+        f"`llama.cpp` is `llama-server` with SmolLM2-135M (`--ctx-size {CTX} --parallel "
+        f"{SLOTS} --threads 1`) and its agent; `sim` the simulated worker sized alike "
+        f"(`--kv-total-blocks {CTX // BLOCK} --block-size {BLOCK} --max-num-seqs {SLOTS}`) "
+        f"with its default step costs; `{PROFILED}` the simulated worker with "
+        f"`--profile {LLAMACPP_CPU}` (the same size, the engine's measured step costs). "
         f"Each request: a {len(PROMPT)}-character prompt after its own number, {MAX_TOKENS} "
         "output tokens, streamed, straight to the worker. Peaks are of the load each worker "
         "reported (the engine through its agent, the simulator itself); time busy is the "
@@ -234,26 +244,32 @@ async def run(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
         ],
         log_dir=log_dir,
     )  # fmt: skip
-    sim_port = free_port()
-    sim = SimProcess(
-        [
-            "--port", str(sim_port), "--model", MODEL, "--worker-id", "sim",
-            "--kv-total-blocks", str(CTX // BLOCK), "--block-size", str(BLOCK),
-            "--max-num-seqs", str(SLOTS), "--publish", events.endpoint,
-        ],
-        log_dir=log_dir,
-    )  # fmt: skip
+    sims: dict[str, tuple[SimProcess, int]] = {}
     try:
-        await asyncio.to_thread(wait_until, lambda: sim.healthy(sim_port), 20, "sim up")
+        for name, flags in (
+            ("sim", ["--kv-total-blocks", str(CTX // BLOCK), "--block-size", str(BLOCK),
+                     "--max-num-seqs", str(SLOTS)]),
+            (PROFILED, ["--profile", LLAMACPP_CPU]),
+        ):  # fmt: skip
+            port = free_port()
+            common = ["--port", str(port), "--model", MODEL, "--worker-id", name]
+            sims[name] = (
+                SimProcess([*common, *flags, "--publish", events.endpoint], log_dir=log_dir),
+                port,
+            )
+        for proc, port in sims.values():
+            await asyncio.to_thread(wait_until, partial(proc.healthy, port), 20, "sim up")
         await asyncio.to_thread(
-            wait_until, lambda: len(events.kv_total) == 2, 30, "both workers announced"
+            wait_until, lambda: len(events.kv_total) == 3, 30, "the three workers announced"
         )
-        workers = {"llama.cpp": server.url, "sim": f"http://127.0.0.1:{sim_port}"}
+        workers = {"llama.cpp": server.url}
+        workers.update({name: f"http://127.0.0.1:{port}" for name, (_, port) in sims.items()})
         levels = await measure(workers, events, args.levels, args.rounds)
     finally:
         listener.cancel()
         agent.stop()
-        sim.stop()
+        for proc, _ in sims.values():
+            proc.stop()
         server.stop()
         events.close()
     return [lv.row(args.decode_threshold, args.prefill_threshold) for lv in levels]

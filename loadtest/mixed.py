@@ -107,7 +107,7 @@ async def run(
         unloaded = await measure_unloaded(session, stack, cfg, rng)
         log(f"unloaded: TTFT p50 {unloaded.ttft_p50_ms:.1f} ms, "
             f"p99 {unloaded.ttft_p99_ms:.1f} ms")  # fmt: skip
-        await wait_idle(session, stack.engines, 30)
+        await wait_idle(session, stack.engines)
         capacity = (
             cfg.capacity or (await sweep_capacity(session, stack, cfg, rng))[1]["completed_rps"]
         )
@@ -132,7 +132,7 @@ async def run(
                 retry if mode == RETRY else None,
                 (("critical", 1.0),) if mode == ALONE else MIX,
             )  # fmt: skip
-            await wait_idle(session, stack.engines, 30)
+            await wait_idle(session, stack.engines)
             cell = summarize_classes(cfg, load, mode, rate, reqs, 2 * unloaded.ttft_p99_ms / 1e3)
             cells.append(cell)
             log(

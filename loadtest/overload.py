@@ -2,7 +2,9 @@
 and the recovery after an overload.
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the repo's filter chain, the
-extproc, two simulated vLLM-like workers that publish their load), then:
+extproc, and two workers that publish their load: simulated vLLM-like engines, or with
+``--engine llamacpp`` two llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU, each
+with its agent), then:
 
 1. **unloaded** — one request at a time: the reference p99 TTFT;
 2. **capacity** — closed-loop sweep of concurrency with thresholds off; capacity is the
@@ -17,19 +19,21 @@ extproc, two simulated vLLM-like workers that publish their load), then:
 Every request is the same streaming chat completion. Per cell: goodput (2xx completed per
 second inside the arrival window, after warm-up), p50/p99 TTFT and p99 end-to-end latency of
 the accepted requests that arrived after warm-up, rejection rate, the workers' preemptions
-(``vllm:num_preemptions_total``) and waiting queue (``vllm:num_requests_waiting``). Requests
+and waiting queue, and the CPU each part of the stack used. Requests
 still running ``--grace`` seconds after the window are cancelled and count at the cut-off
 time (the percentile is then a lower bound, shown as ``>=``). Writes a markdown table, a JSON
-file and two PNG plots under ``--out``.
+file and two PNG plots under ``--out`` (``overload-*``, or ``overload-llamacpp-*``).
 
     python -m loadtest.overload                      # ~5-6 minutes on 2 cores
     python -m loadtest.overload --loads 1,3 --cell-seconds 10   # quicker look
+    python -m loadtest.overload --engine llamacpp    # ~7 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shlex
 import sys
@@ -42,7 +46,8 @@ import aiohttp
 from extproc.devstack import ROOT
 from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
-from loadtest.shedbench.config import Config
+from loadtest.shedbench.config import ENGINES, LLAMACPP, SIM, Config
+from loadtest.shedbench.cpu import CpuMeter
 from loadtest.shedbench.plots import plot
 from loadtest.shedbench.recovery import RecoveryPlan, measure_recovery
 from loadtest.shedbench.report import Results, markdown
@@ -54,6 +59,7 @@ from loadtest.shedbench.workers import EngineSamples, sample, wait_idle
 
 async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None) -> Results:
     started = time.monotonic()
+    load_average = [os.getloadavg()[0]]
     rng = random.Random(cfg.seed)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -63,7 +69,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         unloaded = await measure_unloaded(session, stack, cfg, rng, full=3)
         log(f"unloaded: TTFT p50 {unloaded.ttft_p50_ms:.1f} ms p99 "
             f"{unloaded.ttft_p99_ms:.1f} ms, e2e p99 {unloaded.e2e_p99_ms:.0f} ms")  # fmt: skip
-        await wait_idle(session, stack.engines, 30)
+        await wait_idle(session, stack.engines)
 
         # 2. capacity: closed-loop sweep, thresholds off
         if cfg.capacity:
@@ -88,15 +94,19 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
                 sampler = asyncio.create_task(
                     sample(session, stack.engines, cfg.cell_seconds, samples)
                 )
+                meter = CpuMeter({**stack.processes(), "client": [os.getpid()]})
+                meter.start()
                 # The same arrivals and bodies with thresholds off and on.
                 arrivals = random.Random(f"{cfg.seed}-{load}")
                 outcomes = await open_loop(session, stack.url, cfg, rate, arrivals)
+                cpu = meter.stop()
                 await sampler
-                await wait_idle(session, stack.engines, 30)
+                await wait_idle(session, stack.engines)
                 after = await stack.engines.load(session)
                 samples.preemptions = after.preemptions - before.preemptions
                 slo = 2 * unloaded.ttft_p99_ms / 1e3
                 cell = summarize(cfg, load, on, rate, outcomes, samples, slo)
+                cell.cpu = cpu
                 cells.append(cell)
                 log(
                     f"{load:g}x thresholds {'on ' if on else 'off'}: goodput "
@@ -120,6 +130,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         knee_concurrency=int(knee["concurrency"]),
         cells=cells,
         seconds=time.monotonic() - started,
+        load_average=[*load_average, os.getloadavg()[0]],
         recovery_plan=plan,
         recovery=rounds,
     )
@@ -130,6 +141,42 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
 
 def _threshold(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "") else float(text)
+
+
+def _tokens(text: str) -> int | None:
+    return None if text.lower() in ("none", "off", "") else int(text)
+
+
+# What a run on each engine uses unless a flag says otherwise. llama.cpp: two llama-server
+# on a 2-core CPU run about 2 requests a second, so the requests are short, the cells fewer
+# and the probes slower; docs/overload-llamacpp-results.md says why each value was chosen.
+ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
+    SIM: {
+        "kv_total_blocks": 640, "block_size": 16, "max_num_seqs": 48,
+        "max_num_batched_tokens": 2048, "speedup": 2.0,
+        "prompt_tokens": 512, "max_tokens": 128,
+        "decode_threshold": 0.9, "prefill_threshold": None, "prefill_frac_threshold": 0.4,
+        "loads": "0.5,1,2,3", "unloaded_probes": 201, "sweep_seconds": 14.0,
+        "recovery_loads": ",".join(f"{x:g}" for x in RecoveryPlan().loads),
+        "recovery_rounds": RecoveryPlan().rounds, "probe_rate": RecoveryPlan().probe_rate,
+        "probe_seconds": RecoveryPlan().probe_seconds, "recovery_window": RecoveryPlan().window,
+    },
+    LLAMACPP: {
+        # 1024 tokens of context (64 blocks of 16), 2 slots, llama-server's batch 512.
+        "kv_total_blocks": 64, "block_size": 16, "max_num_seqs": 2,
+        "max_num_batched_tokens": 512, "speedup": 1.0,
+        "prompt_tokens": 32, "max_tokens": 32,
+        # Busy above 12 blocks (two requests in the slots) or with a prompt being evaluated.
+        "decode_threshold": 0.2, "prefill_threshold": 16, "prefill_frac_threshold": None,
+        "loads": "1,3,10", "unloaded_probes": 41,
+        # 14 s at about 1 req/s would count 8 completions: too coarse for a capacity.
+        "sweep_seconds": 24.0,
+        # No recovery rounds: a probe costs nearly a whole request here (the prompt is most
+        # of the work), so probes often enough to time recovery are an overload of their own.
+        "recovery_loads": "",
+        "recovery_rounds": 1, "probe_rate": 1.0, "probe_seconds": 10.0, "recovery_window": 6,
+    },
+}  # fmt: skip
 
 
 def _loads(flag: str, text: str, allow_none: bool = False) -> tuple[float, ...]:
@@ -149,24 +196,45 @@ def _loads(flag: str, text: str, allow_none: bool = False) -> tuple[float, ...]:
     return tuple(loads)
 
 
+def _by_engine(key: str) -> str:
+    sim, llama = (ENGINE_DEFAULTS[e][key] for e in (SIM, LLAMACPP))
+    return f"default: {sim if sim != '' else repr(sim)} on sim, " + (
+        f"{llama if llama != '' else repr(llama)} on llamacpp"
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None, Path]:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.overload",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim = p.add_argument_group("simulated workers (two, identical)")
-    sim.add_argument("--kv-total-blocks", type=int, default=640)
-    sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--max-num-seqs", type=int, default=48)
-    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sim.add_argument("--speedup", type=float, default=2.0)
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=SIM,
+        help="the workers: two simulated engines, or two llama.cpp llama-server with their "
+        "agents (make engine installs it); the files are named overload-* or "
+        "overload-llamacpp-* (default: %(default)s)",
+    )
+    eng = p.add_argument_group(
+        "workers (two, identical; on llamacpp the context is kv-total-blocks x block-size "
+        "tokens over max-num-seqs slots)"
+    )
+    for flag, kind in (("--kv-total-blocks", int), ("--block-size", int),
+                       ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
+                       ("--speedup", float)):  # fmt: skip
+        eng.add_argument(flag, type=kind, help=_by_engine(flag[2:].replace("-", "_")))
     req = p.add_argument_group("requests (streaming chat completions)")
-    req.add_argument("--prompt-tokens", type=int, default=512)
-    req.add_argument("--max-tokens", type=int, default=128)
+    req.add_argument("--prompt-tokens", type=int, help=_by_engine("prompt_tokens"))
+    req.add_argument("--max-tokens", type=int, help=_by_engine("max_tokens"))
     thr = p.add_argument_group("thresholds 'on' ('none' leaves one off)")
-    thr.add_argument("--decode-threshold", type=_threshold, default=0.9)
-    thr.add_argument("--prefill-frac-threshold", type=_threshold, default=0.4)
+    thr.add_argument("--decode-threshold", type=_threshold, help=_by_engine("decode_threshold"))
+    thr.add_argument("--prefill-threshold", type=_tokens,
+                     help="active_prefill_tokens_threshold, tokens; "
+                     + _by_engine("prefill_threshold"))  # fmt: skip
+    thr.add_argument("--prefill-frac-threshold", type=_threshold,
+                     help=_by_engine("prefill_frac_threshold"))  # fmt: skip
     p.add_argument("--capacity", type=float, help="req/s: skip the sweep and use this")
     thr.add_argument(
         "--router-track-output-blocks",
@@ -176,33 +244,38 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
         "envoy/envoy-track-output.yaml, which observes output tokens (default: yes; "
         "without: envoy/envoy.yaml)",
     )
-    p.add_argument("--loads", default="0.5,1,2,3", help="multiples of capacity, comma-separated")
+    p.add_argument("--loads", help="multiples of capacity, comma-separated; " + _by_engine("loads"))
+    p.add_argument("--unloaded-probes", type=int,
+                   help="requests one at a time for the unloaded TTFT; "
+                   + _by_engine("unloaded_probes"))  # fmt: skip
     p.add_argument("--cell-seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=4.0)
     p.add_argument("--grace", type=float, default=5.0)
-    p.add_argument("--sweep-seconds", type=float, default=14.0)
+    p.add_argument("--sweep-seconds", type=float, help=_by_engine("sweep_seconds"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the table and plots")
     rec = p.add_argument_group("recovery after overload (thresholds on)")
     d = RecoveryPlan()
     rec.add_argument(
         "--recovery-loads",
-        default=",".join(f"{x:g}" for x in d.loads),
-        help="overload phases, multiples of capacity, comma-separated ('' = no recovery phase; "
-        "default: %(default)s)",
+        help="overload phases, multiples of capacity, comma-separated ('' = no recovery "
+        "phase); " + _by_engine("recovery_loads"),
     )
-    rec.add_argument("--recovery-rounds", type=int, default=d.rounds,
-                     help="rounds per load (default: %(default)s)")  # fmt: skip
+    rec.add_argument("--recovery-rounds", type=int,
+                     help="rounds per load; " + _by_engine("recovery_rounds"))  # fmt: skip
     rec.add_argument("--recovery-overload-seconds", type=float, default=d.overload_seconds,
                      help="length of each overload phase (default: %(default)s)")  # fmt: skip
-    rec.add_argument("--probe-rate", type=float, default=d.probe_rate,
-                     help="probes per second after it (default: %(default)s)")  # fmt: skip
-    rec.add_argument("--probe-seconds", type=float, default=d.probe_seconds,
-                     help="how long the probes go on (default: %(default)s)")  # fmt: skip
-    rec.add_argument("--recovery-window", type=int, default=d.window,
-                     help="probes in the sliding window of '95 %% admitted' "
-                     "(default: %(default)s)")  # fmt: skip
+    rec.add_argument("--probe-rate", type=float,
+                     help="probes per second after it; " + _by_engine("probe_rate"))  # fmt: skip
+    rec.add_argument("--probe-seconds", type=float,
+                     help="how long the probes go on; " + _by_engine("probe_seconds"))  # fmt: skip
+    rec.add_argument("--recovery-window", type=int,
+                     help="probes in the sliding window of '95 %% admitted'; "
+                     + _by_engine("recovery_window"))  # fmt: skip
     a = p.parse_args(argv)
+    for key, value in ENGINE_DEFAULTS[a.engine].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     try:
         loads = _loads("--loads", a.loads)
         recovery_loads = _loads("--recovery-loads", a.recovery_loads, allow_none=True)
@@ -212,11 +285,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
                         ("--recovery-window", a.recovery_window)):  # fmt: skip
         if value < 1:
             p.error(f"{flag}: {value} is not a count of 1 or more")
+    if a.unloaded_probes < 2:
+        p.error(f"--unloaded-probes: {a.unloaded_probes} is not a count of 2 or more "
+                "(the first is not counted)")  # fmt: skip
     for flag, value in (("--recovery-overload-seconds", a.recovery_overload_seconds),
                         ("--probe-rate", a.probe_rate),
                         ("--probe-seconds", a.probe_seconds)):  # fmt: skip
         if not value > 0:
             p.error(f"{flag}: {value:g} is not a positive number")
+    if a.prefill_threshold is not None and a.prefill_threshold < 0:
+        p.error(f"--prefill-threshold: {a.prefill_threshold} is not a token count >= 0")
     plan = RecoveryPlan(
         loads=recovery_loads,
         rounds=a.recovery_rounds,
@@ -248,6 +326,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
         seed=a.seed,
         capacity=a.capacity,
         track_output_blocks=a.router_track_output_blocks,
+        engine=a.engine,
+        prefill_threshold=a.prefill_threshold,
+        # A real model may end a reply before max_tokens; every request should cost the same.
+        ignore_eos=a.engine == LLAMACPP,
+        unloaded_probes=a.unloaded_probes,
     )
     return cfg, plan if recovery_loads else None, Path(a.out)
 
@@ -258,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with started_stack(cfg) as stack:
         log(f"stack up: {stack.describe()}")
         results = asyncio.run(run(cfg, stack, command, plan))
-    write_results(out, "overload", results, markdown(results), plot)
+    write_results(out, cfg.name, results, markdown(results), plot)
     return 0
 
 

@@ -4,8 +4,8 @@
 ``python -m loadtest.mixed`` (request classes) are thin entry points over these modules:
 
 - :mod:`.config`: :class:`Config`, the workload and the run's shape;
-- :mod:`.workers`: the LLM workers behind Envoy (:class:`Workers`); the simulated engine,
-  :class:`SimWorkers`, is the one implementation;
+- :mod:`.workers`: the LLM workers behind Envoy (:class:`Workers`): the simulated engine
+  (:class:`SimWorkers`) or llama.cpp's ``llama-server`` with its agent (:class:`LlamaWorkers`);
 - :mod:`.stack`: Envoy, the extproc and the workers on free 127.0.0.1 ports;
 - :mod:`.client`: one streaming chat completion and what came back (:class:`Outcome`);
 - :mod:`.arrivals`: closed-loop clients and seeded Poisson arrivals, bounded in count and time;

@@ -16,8 +16,6 @@ from loadtest.shedbench.stack import Stack
 from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.workers import wait_idle
 
-UNLOADED_PROBES = 201  # the first pays for the connection and is not counted
-
 
 @dataclass(frozen=True)
 class Unloaded:
@@ -31,9 +29,10 @@ class Unloaded:
 async def measure_unloaded(
     session: aiohttp.ClientSession, stack: Stack, cfg: Config, rng: random.Random, full: int = 0
 ) -> Unloaded:
-    """:data:`UNLOADED_PROBES` short requests one at a time (TTFT does not depend on
-    ``max_tokens`` here), then ``full`` full-length ones for the end-to-end latency."""
-    solo = [await probe(session, stack.url, cfg, rng, 4) for _ in range(UNLOADED_PROBES)]
+    """``cfg.unloaded_probes`` short requests one at a time (TTFT does not depend on
+    ``max_tokens`` here; the first pays for the connection and is not counted), then
+    ``full`` full-length ones for the end-to-end latency."""
+    solo = [await probe(session, stack.url, cfg, rng, 4) for _ in range(cfg.unloaded_probes)]
     whole = [await probe(session, stack.url, cfg, rng) for _ in range(full)]
     if not all(o.finished for o in solo + whole):
         raise RuntimeError("an unloaded request did not finish")
@@ -45,10 +44,13 @@ async def measure_unloaded(
 
 
 def sweep_levels(cfg: Config) -> list[int]:
-    """Concurrencies around what the two KV caches hold at full length."""
+    """Concurrencies around what the two engines run at once: the requests their KV caches
+    hold at full length (at most ``max_num_seqs`` each), then twice and three times that.
+    Where that is only a few slots (llama.cpp), half of it too."""
     blocks_per_seq = math.ceil((cfg.prompt_tokens + cfg.max_tokens) / cfg.block_size)
-    fits = 2 * max(1, cfg.kv_total_blocks // blocks_per_seq)
-    levels = {max(1, round(fits * f)) for f in (1.0, 2.0, 3.0)}
+    fits = 2 * max(1, min(cfg.max_num_seqs, cfg.kv_total_blocks // blocks_per_seq))
+    factors = (0.5, 1.0, 2.0) if fits <= 8 else (1.0, 2.0, 3.0)
+    levels = {max(1, round(fits * f)) for f in factors}
     return sorted(levels)
 
 
@@ -67,6 +69,6 @@ async def sweep_capacity(
         rps = len(done) / (cfg.sweep_seconds - warm)
         sweep.append({"concurrency": concurrency, "completed_rps": rps})
         log(f"sweep c={concurrency}: {rps:.2f} completed req/s")
-        await wait_idle(session, stack.engines, 30)
+        await wait_idle(session, stack.engines)
     best = max(s["completed_rps"] for s in sweep)
     return sweep, next(s for s in sweep if s["completed_rps"] >= 0.95 * best)

@@ -34,14 +34,15 @@ def request_body(cfg: Config, rng: random.Random, max_tokens: int | None = None)
     # estimate_tokens counts ceil(UTF-8 bytes / 4): 4 bytes per prompt token.
     words = "".join(rng.choice("abcdefghij") for _ in range(3))
     text = ((words + " ") * cfg.prompt_tokens)[: 4 * cfg.prompt_tokens]
-    return json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens or cfg.max_tokens,
-            "stream": True,
-        }
-    ).encode()
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens or cfg.max_tokens,
+        "stream": True,
+    }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    return json.dumps(body).encode()
 
 
 async def send(

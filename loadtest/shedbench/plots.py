@@ -19,7 +19,8 @@ def _pyplot() -> Any:
 
 
 def plot(res: Results, out: Path) -> list[Path]:
-    """``overload-goodput.png`` and ``overload-latency.png``: thresholds off and on."""
+    """``<name>-goodput.png`` and ``<name>-latency.png`` (``overload``, or
+    ``overload-<engine>`` on a real engine): thresholds off and on."""
     plt = _pyplot()
     paths: list[Path] = []
     series = {
@@ -45,7 +46,7 @@ def plot(res: Results, out: Path) -> list[Path]:
     ax.legend(fontsize=8, title=f"SLO: TTFT <= {2 * res.unloaded_ttft_p99_ms:.0f} ms",
               title_fontsize=8)  # fmt: skip
     fig.tight_layout()
-    paths.append(out / "overload-goodput.png")
+    paths.append(out / f"{res.config.name}-goodput.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
@@ -66,7 +67,7 @@ def plot(res: Results, out: Path) -> list[Path]:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out / "overload-latency.png")
+    paths.append(out / f"{res.config.name}-latency.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths

@@ -265,7 +265,7 @@ async def measure_recovery(
                 f"{r.running_at_end:.0f} running at its end; rejected probes "
                 f"{r.rejected_reasons}"
             )
-            await wait_idle(session, stack.engines, 30)
+            await wait_idle(session, stack.engines)
     return rounds
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 
 from loadtest.shedbench.classes import ALONE, CLASS_HEADER, MIX, RETRY, MixedCell, Retry
-from loadtest.shedbench.config import Config
+from loadtest.shedbench.config import LLAMACPP, Config
 from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, median
 from loadtest.shedbench.results import fmt_ms, fmt_pct
 from loadtest.shedbench.stats import Cell
@@ -30,6 +31,7 @@ class Results:
     seconds: float
     recovery_plan: RecoveryPlan | None = None
     recovery: list[RecoveryRound] = field(default_factory=list)
+    load_average: list[float] = field(default_factory=list)  # 1-min, at the start and end
 
     def loads_present(self) -> list[float]:
         return sorted({c.load for c in self.cells})
@@ -101,12 +103,8 @@ Command (took {res.seconds:.0f} s):
 {res.command}
 ```
 
-Workers: 2 simulated engines, each `--kv-total-blocks {cfg.kv_total_blocks} --block-size \
-{cfg.block_size} --max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens \
-{cfg.max_num_batched_tokens} --speedup {cfg.speedup:g}`. Every request is a streaming chat \
-completion of {cfg.prompt_tokens} prompt tokens and `max_tokens` {cfg.max_tokens}. Thresholds \
-"on": `active_decode_blocks_threshold` {cfg.decode_threshold}, \
-`active_prefill_tokens_threshold_frac` {cfg.prefill_frac_threshold} (set with \
+{workers_text(cfg)} Thresholds \
+"on": {thresholds_text(cfg)} (set with \
 `POST /busy_threshold`); the extproc runs {extproc_flags}. Each cell: \
 {cfg.cell_seconds:g} s of Poisson arrivals, the first \
 {cfg.warmup:g} s not counted, {cfg.grace:g} s for the last requests to finish.
@@ -122,21 +120,106 @@ only those whose TTFT was at most 2 x the unloaded p99 ({2 * res.unloaded_ttft_p
 the target's bar; latencies are \
 those of accepted (200) requests that arrived after warm-up; `>=` marks a percentile that \
 includes streams cut off at the end of the cell (a lower bound). Rejected = overload replies \
-(529) / requests sent. Preemptions: increase of `vllm:num_preemptions_total` over both workers \
-during the cell; waiting: `vllm:num_requests_waiting` of both workers, sampled every 0.25 s.
+(529) / requests sent. {engine_columns(cfg)}
 
 {verdict}
-{recovery}
-![goodput](overload-goodput.png)
-![latency](overload-latency.png)
+{cpu_markdown(res)}{recovery}
+![goodput]({cfg.name}-goodput.png)
+![latency]({cfg.name}-latency.png)
 """
+
+
+def cpu_markdown(res: Results) -> str:
+    """Where the CPU went in each cell; empty if not measured."""
+    cells = [c for c in res.cells if c.cpu]
+    if not cells:
+        return ""
+    parts = list(cells[0].cpu)
+    rows = [
+        "| offered load | thresholds | " + " | ".join(parts) + " | engines per completed request |",
+        "|---|---|" + "---|" * (len(parts) + 1),
+    ]
+    for c in cells:
+        done = c.goodput_rps * (res.config.cell_seconds - res.config.warmup)
+        per = f"{c.cpu.get('engines', 0) / done:.2f}" if done else "—"
+        rows.append(
+            f"| {c.load:g}x | {'on' if c.thresholds else 'off'} | "
+            + " | ".join(f"{c.cpu[p]:.1f}" for p in parts)
+            + f" | {per} |"
+        )
+    machine = ""
+    if len(res.load_average) == 2:
+        machine = (
+            f" The machine's 1-minute load average was {res.load_average[0]:.1f} at the start "
+            f"of the run and {res.load_average[1]:.1f} at its end."
+        )
+    return f"""
+### Where the CPU went
+
+Core-seconds used while each cell's requests ran (arrivals and grace), from `/proc`: the \
+engines, {"their agents, " if "agents" in parts else ""}the extproc, Envoy, this load \
+generator (`client`), and `other`: everything else the machine ran meanwhile (other work \
+sharing its {os.cpu_count()} cores). "engines per completed request": engine core-seconds over \
+the requests completed in the cell's window.{machine}
+
+{chr(10).join(rows)}
+"""
+
+
+def workers_text(cfg: Config) -> str:
+    """The workers and the requests, as the report's first lines say them."""
+    if cfg.engine == LLAMACPP:
+        return (
+            f"Workers: 2 llama.cpp `llama-server` serving SmolLM2-135M-Instruct (Q4_1), each "
+            f"`--ctx-size {cfg.kv_total_blocks * cfg.block_size} --parallel "
+            f"{cfg.max_num_seqs} --threads 1 --batch-size {cfg.max_num_batched_tokens}`, each "
+            f"with its agent (`--engine llamacpp --interval 0.1 --block-size "
+            f"{cfg.block_size}`). Every request is a streaming chat completion whose prompt "
+            f"the router counts as {cfg.prompt_tokens} tokens (4 bytes each; the model's "
+            f"tokenizer makes about 2.2 tokens of each 4 bytes, plus its chat template), "
+            f"`max_tokens` {cfg.max_tokens} and `ignore_eos`."
+        )
+    return (
+        f"Workers: 2 simulated engines, each `--kv-total-blocks {cfg.kv_total_blocks} "
+        f"--block-size {cfg.block_size} --max-num-seqs {cfg.max_num_seqs} "
+        f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --speedup {cfg.speedup:g}`. "
+        f"Every request is a streaming chat completion of {cfg.prompt_tokens} prompt tokens "
+        f"and `max_tokens` {cfg.max_tokens}."
+    )
+
+
+def thresholds_text(cfg: Config) -> str:
+    names = (
+        ("active_decode_blocks_threshold", cfg.decode_threshold),
+        ("active_prefill_tokens_threshold", cfg.prefill_threshold),
+        ("active_prefill_tokens_threshold_frac", cfg.prefill_frac_threshold),
+    )
+    return ", ".join(f"`{n}` {v}" for n, v in names if v is not None) or "none"
+
+
+def engine_columns(cfg: Config) -> str:
+    if cfg.engine == LLAMACPP:
+        return (
+            "Preemptions: none on llama.cpp (a request keeps its slot). Waiting: the requests "
+            "before their first token on both engines (`llamacpp:requests_deferred` plus the "
+            "slots still evaluating a prompt), sampled every 0.25 s."
+        )
+    return (
+        "Preemptions: increase of `vllm:num_preemptions_total` over both workers during the "
+        "cell; waiting: `vllm:num_requests_waiting` of both workers, sampled every 0.25 s."
+    )
 
 
 def _cell(res: Results, load: float, on: bool) -> Cell | None:
     return next((c for c in res.cells if c.load == load and c.thresholds == on), None)
 
 
+GOAL_LOAD = 3.0  # the real engine's goals are set at 3 x capacity
+
+
 def targets(res: Results) -> str:
+    if res.config.engine == LLAMACPP:
+        return slo_targets(res, GOAL_LOAD)
     top = max(res.loads_present())
     on, off = _cell(res, top, True), _cell(res, top, False)
     peak = _cell(res, 1.0, True) or _cell(res, 1.0, False)
@@ -154,6 +237,27 @@ def targets(res: Results) -> str:
         f"goodput {off.goodput_rps:.2f} req/s, p99 TTFT "
         f"{fmt_ms(off.ttft_p99_ms, off.censored_p99)} ms, {off.preemptions} preemptions, "
         f"up to {off.waiting_max:.0f} requests waiting."
+    )
+
+
+def slo_targets(res: Results, load: float) -> str:
+    """At ``load`` x capacity with thresholds on: TTFT p99 <= 2 x the unloaded p99, and SLO
+    goodput >= 90 % of capacity; what thresholds off did at the same load."""
+    on, off = _cell(res, load, True), _cell(res, load, False)
+    if on is None or off is None:
+        return f"Targets: not evaluated (need the {load:g}x cells with thresholds on and off)."
+    ttft_limit = 2 * res.unloaded_ttft_p99_ms
+    need = 0.9 * res.capacity_rps
+    ttft_ok = on.ttft_p99_ms <= ttft_limit and not on.censored_p99
+    goodput_ok = on.slo_goodput_rps >= need
+    return (
+        f"Targets at {load:g}x with thresholds on: TTFT p99 {on.ttft_p99_ms:,.0f} ms vs <= 2 x "
+        f"unloaded p99 = {ttft_limit:,.0f} ms: {MARK[ttft_ok]}; SLO goodput "
+        f"{on.slo_goodput_rps:.2f} req/s vs >= 90 % of capacity ({res.capacity_rps:.2f}) = "
+        f"{need:.2f}: {MARK[goodput_ok]} ({on.slo_goodput_rps / res.capacity_rps:.0%} of "
+        f"capacity). With thresholds off at {load:g}x: SLO goodput "
+        f"{off.slo_goodput_rps:.2f} req/s, TTFT p99 {fmt_ms(off.ttft_p99_ms, off.censored_p99)} "
+        f"ms, up to {off.waiting_max:.0f} requests waiting."
     )
 
 

@@ -10,9 +10,13 @@ from typing import Any
 
 from extproc.devstack import Envoy, Extproc, checkout_file, http
 from loadtest.shedbench.config import MODEL, Config
-from loadtest.shedbench.workers import SimWorkers, Workers
+from loadtest.shedbench.workers import Workers, workers_for
 
-THRESHOLDS = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold_frac")
+THRESHOLDS = (
+    "active_decode_blocks_threshold",
+    "active_prefill_tokens_threshold",
+    "active_prefill_tokens_threshold_frac",
+)
 
 WorkersFactory = Callable[[Config, Extproc, Path], Workers]
 
@@ -25,7 +29,7 @@ class Stack:
         cfg: Config,
         log_dir: Path,
         extproc_args: Sequence[str] = (),
-        workers: WorkersFactory = SimWorkers,
+        workers: WorkersFactory = workers_for,
         envoy_tweak: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -63,7 +67,8 @@ class Stack:
     def thresholds(self, on: bool) -> None:
         """The configured busy thresholds (``on``), or none, set with ``POST /busy_threshold``."""
         body: dict[str, Any] = {"model": MODEL}
-        values = (self.cfg.decode_threshold, self.cfg.prefill_frac_threshold)
+        c = self.cfg
+        values = (c.decode_threshold, c.prefill_threshold, c.prefill_frac_threshold)
         body["disable"] = [
             n for n, v in zip(THRESHOLDS, values, strict=True) if not on or v is None
         ]
@@ -72,6 +77,14 @@ class Stack:
         status, _, reply = http("POST", self.ext.admin + "/busy_threshold", body)
         if status != 200:
             raise RuntimeError(f"POST /busy_threshold -> {status}: {reply!r}")
+
+    def processes(self) -> dict[str, list[int]]:
+        """The stack's PIDs by part: the workers', ``extproc`` and ``envoy``."""
+        parts = dict(self.engines.processes())
+        parts["extproc"] = [self.ext.proc.pid]
+        if self.envoy is not None:
+            parts["envoy"] = [self.envoy.proc.pid]
+        return parts
 
     def describe(self) -> str:
         envoy = self.envoy.url if self.envoy is not None else "-"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadtest.shedbench.client import Outcome
 from loadtest.shedbench.config import Config
@@ -44,6 +44,9 @@ class Cell:
     waiting_max: float
     waiting_mean: float
     kv_usage_mean: float
+    # Core-seconds used while the cell ran, by part of the stack, "client" (this process)
+    # and "other" (the rest of the machine); empty if not measured.
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(

@@ -2,14 +2,14 @@
 
 A benchmark talks to its workers only through :class:`Workers`: their HTTP ports (for
 Envoy's cluster), :meth:`Workers.load`, the engines' queue and cache read from their
-Prometheus metrics, :meth:`Workers.ttft_buckets`, the TTFT the engines report, and
-:meth:`Workers.slowdown`, one worker made slower for a while. :class:`SimWorkers`, two
-simulated vLLM-like engines that publish their load to the extproc, is the one
-implementation; another engine (llama.cpp's ``llama-server`` behind the sidecar agent, say)
-is another class with the same members. Its slowdown is the one member that needs a choice
-of its own: a real engine has no knob for its speed, so it would restrict the server's
-threads, or pause and resume the process (SIGSTOP/SIGCONT) on a duty cycle that makes it
-``factor`` times slower; until then it may raise NotImplementedError.
+own pages, :meth:`Workers.ttft_buckets`, the TTFT the engines report, and
+:meth:`Workers.slowdown`, one worker made slower for a while. :class:`SimWorkers`: two
+simulated vLLM-like engines that publish their load to the extproc. :class:`LlamaWorkers`: two
+llama.cpp ``llama-server`` processes serving SmolLM2-135M on this CPU, each with the sidecar
+agent (``--engine llamacpp``) publishing its load; a real engine has no knob for its speed, so
+its slowdown raises NotImplementedError until it restricts the server's threads or pauses and
+resumes the process (SIGSTOP/SIGCONT) on a duty cycle. :func:`workers_for` picks the class a
+:class:`Config` names.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Protocol
 import aiohttp
 
 from extproc.devstack import (
+    AgentProcess,
     Extproc,
     SimProcess,
     cli_flags,
@@ -32,7 +33,9 @@ from extproc.devstack import (
     metric_sums,
     wait_until,
 )
-from loadtest.shedbench.config import MODEL, Config
+from extproc.devstack.llamacpp import LlamaServer
+from llmworker.llamacpp import SLOTS_PATH, parse_llamacpp
+from loadtest.shedbench.config import LLAMACPP, MODEL, Config
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class Workers(Protocol):
     @property
     def ports(self) -> list[int]:
         """Their HTTP ports on 127.0.0.1."""
+        ...
+
+    @property
+    def drain_timeout(self) -> float:
+        """Seconds the workers may take to be empty after their clients went away."""
         ...
 
     async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
@@ -72,6 +80,10 @@ class Workers(Protocol):
         (1: its normal pace)."""
         ...
 
+    def processes(self) -> dict[str, list[int]]:
+        """Their PIDs by part (``engines``, ``agents``), for the CPU they use."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -83,6 +95,7 @@ class SimWorkers:
     """Two simulated engines (``python -m llmworker.sim``) that publish load to the extproc."""
 
     count = 2
+    drain_timeout = 30.0  # a cancelled stream aborts at once
 
     def __init__(self, cfg: Config, ext: Extproc, log_dir: Path) -> None:
         self.cfg = cfg
@@ -158,9 +171,124 @@ class SimWorkers:
             preemptions=total.get("vllm:num_preemptions_total", 0.0),
         )
 
+    def processes(self) -> dict[str, list[int]]:
+        return {"engines": [p.pid for p in self.procs]}
+
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop()
+
+
+class LlamaWorkers:
+    """Two ``llama-server`` (SmolLM2-135M, ``--parallel max_num_seqs``, a context of
+    ``kv_total_blocks x block_size`` tokens, one CPU thread each), each with its agent.
+
+    The agent scrapes ``/metrics`` and ``/slots`` every :attr:`SCRAPE` seconds and publishes
+    the load to the extproc; Envoy sends requests to the engines' own ports.
+    """
+
+    count = 2
+    # Requests whose clients left are dropped only as a slot takes them (measured through
+    # Envoy: a backlog of 28 drained in 9 s), so a cell at 10x without thresholds leaves
+    # minutes of them behind without this much time.
+    drain_timeout = 180.0
+    THREADS = 1  # one CPU thread per engine: two engines share this 2-core machine
+    SCRAPE = 0.1  # the agents' --interval, seconds
+
+    def __init__(self, cfg: Config, ext: Extproc, log_dir: Path) -> None:
+        self.cfg = cfg
+        self.servers: list[LlamaServer] = []
+        self.agents: list[AgentProcess] = []
+        try:
+            for i in range(1, self.count + 1):
+                server = LlamaServer(
+                    log_dir,
+                    name=f"llama-{i}",
+                    ctx=cfg.kv_total_blocks * cfg.block_size,
+                    parallel=cfg.max_num_seqs,
+                    threads=self.THREADS,
+                    alias=MODEL,
+                    extra=["--batch-size", str(cfg.max_num_batched_tokens),
+                           "--ubatch-size", str(cfg.max_num_batched_tokens),
+                           # No prompt cache in RAM: the thresholds-on cell sends the same
+                           # bodies as the thresholds-off one and must pay for its prompts.
+                           "--cache-ram", "0"],
+                )  # fmt: skip
+                self.servers.append(server)
+                self.agents.append(
+                    AgentProcess(
+                        [
+                            "--engine", LLAMACPP, "--engine-url", server.url, "--model", MODEL,
+                            "--endpoint", server.endpoint, "--worker-id", f"llama-{i}",
+                            "--block-size", str(cfg.block_size),
+                            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                            "--interval", str(self.SCRAPE), "--publish", ext.event_endpoint,
+                            "--log-level", "WARNING",
+                        ],
+                        log_dir=log_dir,
+                        name=f"agent-llama-{i}",
+                    )
+                )  # fmt: skip
+            wait_until(lambda: len(ext.workers()) == self.count, 60, "both agents announced")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"llama-{i}" for i in range(1, len(self.servers) + 1)]
+
+    async def ttft_buckets(self, session: aiohttp.ClientSession) -> dict[str, Buckets]:
+        """llama-server prints no TTFT histogram: no engine-reported source."""
+        return {}
+
+    async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
+        raise NotImplementedError(
+            "llama-server has no knob for its speed: a slowdown would restrict its threads "
+            "or pause and resume it (SIGSTOP/SIGCONT) on a duty cycle"
+        )
+
+    async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
+        running = waiting = 0.0
+        usage: list[float] = []
+        for server in self.servers:
+            async with session.get(server.url + "/metrics") as resp:
+                snap = parse_llamacpp(await resp.text(), await _slots_text(session, server))
+            rank = snap.ranks[0]
+            running += rank.num_running or 0
+            waiting += rank.num_waiting or 0  # deferred, and in a slot before the first token
+            usage.append((rank.kv_used_tokens or 0) / (rank.kv_total_tokens or 1))
+        return EngineLoad(
+            running=running,
+            waiting=waiting,
+            kv_usage=sum(usage) / len(usage),
+            preemptions=0.0,  # llama.cpp does not preempt: a request keeps its slot
+        )
+
+    def processes(self) -> dict[str, list[int]]:
+        return {"engines": [s.pid for s in self.servers], "agents": [a.pid for a in self.agents]}
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        for server in self.servers:
+            server.stop()
+
+
+async def _slots_text(session: aiohttp.ClientSession, server: LlamaServer) -> str:
+    async with session.get(server.url + SLOTS_PATH) as resp:
+        return await resp.text()
+
+
+def workers_for(cfg: Config, ext: Extproc, log_dir: Path) -> Workers:
+    """The workers ``cfg.engine`` names."""
+    if cfg.engine == LLAMACPP:
+        return LlamaWorkers(cfg, ext, log_dir)
+    return SimWorkers(cfg, ext, log_dir)
 
 
 @dataclass
@@ -186,8 +314,12 @@ async def sample(
         await asyncio.sleep(0.25)
 
 
-async def wait_idle(session: aiohttp.ClientSession, workers: Workers, timeout: float) -> None:
-    """Until every engine has nothing running or waiting (cancelled streams abort)."""
+async def wait_idle(
+    session: aiohttp.ClientSession, workers: Workers, timeout: float | None = None
+) -> None:
+    """Until every engine has nothing running or waiting (cancelled streams abort); at most
+    ``timeout`` seconds (default: the workers' ``drain_timeout``)."""
+    timeout = workers.drain_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = await workers.load(session)
