@@ -81,7 +81,7 @@ def set_mode(stack: Stack, mode: Mode, targets: bool) -> None:
     """The mode's thresholds and target with ``POST /busy_threshold``; ``targets``: the
     extproc knows latency targets (then one not in the mode is disabled)."""
     body: dict[str, Any] = {"model": MODEL}
-    values = (mode.decode, mode.prefill_frac)
+    values = (mode.decode, None, mode.prefill_frac)  # no absolute prefill threshold
     body.update({n: v for n, v in zip(THRESHOLDS, values, strict=True) if v is not None})
     body["disable"] = [n for n, v in zip(THRESHOLDS, values, strict=True) if v is None]
     if mode.target_ms is not None:
