@@ -1,4 +1,4 @@
-"""Scrape-time series for dashboards and alerts, beside the required series (which stay as they are).
+"""Scrape-time series for dashboards and alerts, beside the required ones (left as they are).
 
 - ``extproc_worker_busy_limit{worker_id,dp_rank,worker_type,check}``: a rank's busy limit
   per check, in the unit of the load it is compared with (decode blocks for
