@@ -484,7 +484,8 @@ class LatencyControl:
         return judge_cut(c, step, measured, busy, now)
 
     def unreachable(self, worker: Worker) -> bool:
-        """Some target of ``worker`` is out of reach at the floor."""
+        """Some target of ``worker`` is out of reach: above it at the floor, or by delay
+        that cutting its limit did not shorten."""
         return any(c.unreachable for c in self.workers.get(worker.worker_id, {}).values())
 
     def models(self) -> Iterator[ModelLatency]:

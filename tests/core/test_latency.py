@@ -25,6 +25,7 @@ from extproc.core.latency import (
     MAX_STEP_UP,
     MIN_RAISE_SAMPLES,
     MIN_SAMPLES,
+    MODEL,
     RAISE_BELOW,
     REJUDGE_SECONDS,
     STALE_SECONDS,
@@ -257,19 +258,20 @@ def test_recovers_to_the_ceiling_within_seconds_after_the_load_drops() -> None:
 def test_a_few_good_samples_raise_but_a_few_bad_ones_do_not_cut() -> None:
     sim = Sim({"w": Plant()})
     worker = sim.pool.workers["w"]
-    sim.pool.set_latency_scale(worker, 0.5)
-    sim.control.observe_ttft(worker, 0.1)  # the controller exists from its first sample
-    sim.control.workers["w"][""].scale = 0.5
-    for value, expected in ((0.1, "up"), (2.0, "still")):
-        before = sim.scale()
+
+    def feed(seconds: float) -> None:
         sim.clock.t += 2.0
         for _ in range(MIN_RAISE_SAMPLES):
-            sim.control.observe_ttft(worker, value)
+            sim.control.observe_ttft(worker, seconds)
         sim.control.tick()
-        if expected == "up":  # 100 ms against 400: x MAX_STEP_UP, the largest raise
-            assert sim.scale() == pytest.approx(before * MAX_STEP_UP)
-        else:
-            assert sim.scale() == before
+
+    feed(2.0)  # the controller starts at the ceiling; too few samples to cut
+    assert sim.scale() == 1.0
+    sim.control.workers["w"][MODEL].scale = 0.25  # as after a cut
+    feed(0.1)  # 100 ms against 400: the largest raise
+    assert sim.scale() == pytest.approx(0.25 * MAX_STEP_UP)
+    feed(2.0)
+    assert sim.scale() == pytest.approx(0.25 * MAX_STEP_UP)
 
 
 def test_delay_outside_the_worker_is_not_cut_for() -> None:
