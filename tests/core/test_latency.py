@@ -1,9 +1,11 @@
 """The latency controller against a simulated plant: plain values, a fake clock, the real pool.
 
 The plant is an engine whose time to first token grows with the requests it runs at once
-(queueing behind the running prefills): ``ttft = base + per_request x concurrency``. Each
-tick, offered load far above capacity is decided by the real Scheduler under the limits the
-controller set, so the concurrency the plant sees is what the busy rule admitted.
+(queueing behind the running prefills): ``ttft = base + per_request x concurrency``; a share
+of its requests may instead stall outside it (a gateway short of CPU), which no limit
+shortens. Each second, the offered load (by default far above capacity) is decided by the
+real Scheduler under the limits the controller set, so the concurrency the plant sees is what
+the busy rule admitted; the controller ticks while those requests are in flight.
 """
 
 from __future__ import annotations
