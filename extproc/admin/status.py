@@ -108,7 +108,7 @@ def _display_state(worker: dict[str, Any], stale_after: float) -> tuple[str, str
 
 def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict[str, Any]]:
     """Per model with a latency target: the target, the measured p99, the mean multiplier
-    and the workers whose target is unreachable at the floor."""
+    and the workers whose target is unreachable (at the floor, or not by their limit)."""
     if latency is None:
         return {}
     out: dict[str, dict[str, Any]] = {}

@@ -6,13 +6,20 @@ once a second :meth:`LatencyControl.tick` moves the worker's multiplier on its c
 limits (the ceiling) toward the largest value that keeps the p99 under the target:
 
 - above the target: down by the factor target / p99, kept within 0.95 to 0.70;
-- below ``RAISE_BELOW`` of the target: up by ``STEP_UP`` of the ceiling; between the two it
-  holds (the hysteresis band), so a p99 near the target does not make the limit hunt;
-- only on samples of requests dispatched after its last move, at least ``MIN_SAMPLES`` of
-  them: a move is judged by its own effect, not by the queue the previous limit built;
-- never below ``FLOOR``; a rank with nothing in flight keeps the unscaled limits anyway
-  (:meth:`~extproc.core.pool.Rank.limits_in_force`), so the floor never rejects into an
-  idle fleet; above the target at the floor is "target unreachable";
+- below ``RAISE_BELOW`` of the target: up by the factor ``RAISE_BELOW`` x target / p99 (the
+  headroom), kept within +``STEP_UP`` and x``MAX_STEP_UP``; between the two it holds (the
+  hysteresis band), so a p99 near the target does not make the limit hunt;
+- only on samples of requests dispatched after its last move: at least ``MIN_SAMPLES`` of
+  them to lower or hold; to raise, ``MIN_RAISE_SAMPLES`` of those of the last
+  ``RECENT_SECONDS`` (their maximum is then the p99): a limit that throttles admission must
+  not starve itself of the samples that would let it rise, nor hold on the samples of a
+  load that has just gone;
+- a cut must pay: once a run of cuts, made while the worker was busy under its limit, has
+  taken the limit to ``JUDGE_AFTER`` of where it began in 2 moves or more, and the p99 is
+  still above ``FUTILE_BELOW`` of the one that began it, the delay is not the worker's
+  (the gateway's own CPU, the network): the limit goes back to where the run began and
+  holds, "target unreachable: delay not from the worker", until the p99 is within target
+  again or leaves 2/3 to 3/2 of the judged one, or ``REJUDGE_SECONDS`` pass;
 - frozen while its data is stale: no sample for ``STALE_SECONDS``.
 
 The TTFT comes from the gateway (the request path times each streamed response) or, with
@@ -30,22 +37,36 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
 from extproc.core.pool import Worker, WorkerPool
 
 # Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
-# per second for the controller to act, below that load its limit is not what binds.
+# per second for the controller to cut, below that load its limit is not what binds.
 WINDOW_SECONDS = 10.0
 MAX_SAMPLES = 4096  # per worker and window; the p99 of the newest this many
-MIN_SAMPLES = 20  # below this the p99 is the maximum of too few: no move
+MIN_SAMPLES = 20  # below this the p99 is the maximum of too few: no cut
+# A raise needs fewer: the maximum of 5 samples under RAISE_BELOW of the target is enough
+# to let more in (a miss is then cut on MIN_SAMPLES); at the 2-3 admitted requests per
+# second of a throttled worker, a raise every 2 s instead of every 7-10 s.
+MIN_RAISE_SAMPLES = 5
+RECENT_SECONDS = 3.0  # the newest samples, which a raise is judged on
 STALE_SECONDS = 5.0
 FLOOR = 0.1
-STEP_UP = 0.05
+STEP_UP = 0.05  # the smallest raise, of the ceiling
+MAX_STEP_UP = 2.0  # the largest raise, a factor, taken only at a p99 under 40 % of the target
 RAISE_BELOW = 0.8
 MIN_STEP_DOWN = 0.95
 MAX_STEP_DOWN = 0.70
+# A run of cuts is judged once it has cut the limit to JUDGE_AFTER of where it began, in at
+# least 2 moves: a p99 above FUTILE_BELOW of the one that started it means admitting less
+# did not shorten the TTFT. A worker whose TTFT grows with what it runs gains 10-30 % per
+# cut; a stall outside the worker gains nothing.
+JUDGE_AFTER = 0.75
+FUTILE_BELOW = 0.9
+REJUDGE_SECONDS = 30.0
+UNREACHABLE_HERE = "target unreachable: delay not from the worker"
 SOURCES = ("gateway", "engine")
 ENGINE_SAMPLES_MAX = 1000  # per load report: more only repeats the same buckets
 # Where the TTFT of a streamed response was taken, as /debug/workers says it.
@@ -106,18 +127,84 @@ def control_step(scale: float, p99_s: float, target_s: float) -> Step:
         factor = min(MIN_STEP_DOWN, max(MAX_STEP_DOWN, 1.0 / ratio))
         return Step(max(FLOOR, round(scale * factor, 4)), -1, f"lowering: {shown}")
     if ratio < RAISE_BELOW and scale < 1.0:
-        return Step(min(1.0, round(scale + STEP_UP, 4)), 1, f"raising: {shown}")
+        # Proportional to the headroom: TTFT grows at most in proportion to what is
+        # admitted (less where part of it is the idle engine's), so x RAISE_BELOW / ratio
+        # lands at or below the band's low edge.
+        factor = MAX_STEP_UP if ratio <= 0 else min(MAX_STEP_UP, RAISE_BELOW / ratio)
+        raised = max(scale + STEP_UP, scale * factor)
+        return Step(min(1.0, round(raised, 4)), 1, f"raising: {shown}")
     if scale >= 1.0:
         return Step(1.0, 0, f"at the ceiling: {shown}")
     return Step(scale, 0, f"holding: {shown}")
+
+
+def step_for(
+    scale: float, since_move: list[float], recent: list[float], target_s: float
+) -> tuple[Step, float] | None:
+    """The move for the samples since the last move and the newest of them (the last
+    ``RECENT_SECONDS``), with the p99 it is taken on; None: too few to move. A cut or a hold
+    needs ``MIN_SAMPLES``; a raise ``MIN_RAISE_SAMPLES`` of the newest, so that a load that
+    has just fallen raises at once instead of holding on the samples from before it."""
+    full = None
+    if len(since_move) >= MIN_SAMPLES:
+        measured = p99(since_move)
+        full = (control_step(scale, measured, target_s), measured)
+        if full[0].direction < 0 or full[0].unreachable:
+            return full
+    if len(recent) >= MIN_RAISE_SAMPLES:
+        measured = p99(recent)
+        step = control_step(scale, measured, target_s)
+        if step.direction > 0:
+            return step, measured
+    return full
+
+
+def judge_cut(c: WorkerControl, step: Step, measured: float, busy: bool, now: float) -> Step:
+    """``step`` unless the cuts of ``c`` have stopped paying (the module's rule); updates the
+    run under judgement. ``busy``: the worker is at its limit now, so a cut binds."""
+    if c.futile is not None:
+        p99_then, since = c.futile
+        if (
+            step.direction < 0
+            and now - since < REJUDGE_SECONDS
+            and p99_then / 1.5 <= measured <= p99_then * 1.5
+        ):
+            shown = step.reason.split(": ", 1)[-1]
+            return Step(c.scale, 0, f"{UNREACHABLE_HERE}; cuts did not shorten it: {shown}", True)
+        c.futile = None
+    if step.direction >= 0:
+        if not step.unreachable:
+            c.anchor, c.cuts = None, 0
+        return step
+    if c.anchor is None or not busy:
+        c.anchor, c.cuts = (c.scale, measured), 0  # a cut that does not bind proves nothing
+    elif c.cuts >= 2 and c.scale <= JUDGE_AFTER * c.anchor[0]:
+        scale_then, p99_then = c.anchor
+        c.anchor, c.cuts = (c.scale, measured), 0
+        if measured > FUTILE_BELOW * p99_then:
+            c.futile = (measured, now)
+            c.anchor = None
+            return Step(
+                scale_then,
+                1,
+                f"{UNREACHABLE_HERE}: p99 {measured * 1000:.0f} ms "
+                f"at x{c.scale:g}, {p99_then * 1000:.0f} ms at x{scale_then:g}; "
+                f"{step.reason.split(': ', 1)[-1]}",
+                True,
+            )
+    c.cuts += 1
+    return step
 
 
 class WorkerControl:
     """The controller state of one worker."""
 
     __slots__ = (
+        "anchor",
+        "cuts",
         "direction",
         "engine",
+        "futile",
         "itl",
         "measured_at",
         "moved_at",
@@ -139,6 +226,11 @@ class WorkerControl:
         self.unreachable = False
         self.p99_s: float | None = None  # the TTFT p99 of the current window
         self.measured_at = AT_BODY
+        # The run of cuts under judgement: (scale, p99) where it began, and its cuts since.
+        self.anchor: tuple[float, float] | None = None
+        self.cuts = 0
+        # A judged-futile run: (p99 then, when), holding the limit until it is stale.
+        self.futile: tuple[float, float] | None = None
 
     def view(self, now: float) -> dict[str, object]:
         engine = self.engine.since(now, now - WINDOW_SECONDS)
@@ -338,7 +430,7 @@ class LatencyControl:
         now: float,
         engine: bool = False,
     ) -> Turn | None:
-        step = self._decide(c, targets, now, engine)
+        step = self._decide(c, targets, now, engine, worker.busy)
         if step is None:
             return None
         c.reason = step.reason
@@ -354,12 +446,11 @@ class LatencyControl:
         return None
 
     def _decide(
-        self, c: WorkerControl, targets: Targets, now: float, engine: bool = False
+        self, c: WorkerControl, targets: Targets, now: float, engine: bool, busy: bool
     ) -> Step | None:
         """The step for this tick, or None when frozen (the reason says why)."""
         source = c.engine if engine else c.ttft
         newest = max((t for t in (source.last_at, c.itl.last_at) if t is not None), default=None)
-        ttft = source.since(now, c.moved_at)
         everything = source.since(now, now - WINDOW_SECONDS)
         c.p99_s = p99(everything) if everything else None
         if newest is None:
@@ -368,21 +459,33 @@ class LatencyControl:
         if now - newest > STALE_SECONDS:
             c.reason = f"frozen: no latency sample for {now - newest:.0f} s"
             return None
-        steps: list[Step] = []
-        if targets.ttft_p99_target_ms is not None and len(ttft) >= MIN_SAMPLES:
-            steps.append(control_step(c.scale, p99(ttft), targets.ttft_p99_target_ms / 1000))
-        itl = c.itl.since(now, c.moved_at)
-        if targets.itl_p99_target_ms is not None and len(itl) >= MIN_SAMPLES:
-            step = control_step(c.scale, p99(itl), targets.itl_p99_target_ms / 1000)
-            steps.append(Step(step.scale, step.direction, "ITL " + step.reason, step.unreachable))
+        steps: list[tuple[Step, float]] = []
+        recent_from = max(c.moved_at, now - RECENT_SECONDS)
+        for name, window, target_ms in (
+            ("", source, targets.ttft_p99_target_ms),
+            ("ITL ", c.itl, targets.itl_p99_target_ms),
+        ):
+            if target_ms is None:
+                continue
+            found = step_for(
+                c.scale,
+                window.since(now, c.moved_at),
+                window.since(now, recent_from),
+                target_ms / 1000,
+            )
+            if found is not None:
+                step, measured = found
+                steps.append((replace(step, reason=name + step.reason), measured))
         if not steps:
             c.reason = f"waiting for {MIN_SAMPLES} samples since the last move"
             return None
         # The most cautious of the two targets decides.
-        return min(steps, key=lambda s: (s.scale, not s.unreachable))
+        step, measured = min(steps, key=lambda s: (s[0].scale, not s[0].unreachable))
+        return judge_cut(c, step, measured, busy, now)
 
     def unreachable(self, worker: Worker) -> bool:
-        """Some target of ``worker`` is out of reach at the floor."""
+        """Some target of ``worker`` is out of reach: above it at the floor, or by delay
+        that cutting its limit did not shorten."""
         return any(c.unreachable for c in self.workers.get(worker.worker_id, {}).values())
 
     def models(self) -> Iterator[ModelLatency]:

@@ -183,7 +183,8 @@ class LatencyCollector(Collector):
     10 s; absent without samples), ``extproc_engine_ttft_p99_seconds{model}`` (the same as
     the engines report it), ``extproc_latency_target_seconds{model,target}`` and
     ``extproc_latency_target_unreachable{model}`` (workers whose target is out of reach at
-    the floor); per worker ``extproc_worker_latency_limit{worker_id,model}``."""
+    the floor, or by delay their limit does not shorten); per worker
+    ``extproc_worker_latency_limit{worker_id,model}``."""
 
     def __init__(self, control: LatencyControl) -> None:
         self.control = control
@@ -211,7 +212,8 @@ class LatencyCollector(Collector):
         )
         unreachable = GaugeMetricFamily(
             "extproc_latency_target_unreachable",
-            "Workers of the model whose latency target is out of reach even at the floor.",
+            "Workers of the model whose latency target is out of reach: even at the floor, "
+            "or by delay that cutting their limit did not shorten.",
             labels=["model"],
         )
         per_worker = GaugeMetricFamily(

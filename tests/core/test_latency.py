@@ -1,9 +1,11 @@
 """The latency controller against a simulated plant: plain values, a fake clock, the real pool.
 
 The plant is an engine whose time to first token grows with the requests it runs at once
-(queueing behind the running prefills): ``ttft = base + per_request x concurrency``. Each
-tick, offered load far above capacity is decided by the real Scheduler under the limits the
-controller set, so the concurrency the plant sees is what the busy rule admitted.
+(queueing behind the running prefills): ``ttft = base + per_request x concurrency``; a share
+of its requests may instead stall outside it (a gateway short of CPU), which no limit
+shortens. Each second, the offered load (by default far above capacity) is decided by the
+real Scheduler under the limits the controller set, so the concurrency the plant sees is what
+the busy rule admitted; the controller ticks while those requests are in flight.
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ from extproc.core.classes import ClassRegistry, parse_table
 from extproc.core.latency import (
     FLOOR,
     MAX_STEP_DOWN,
+    MAX_STEP_UP,
+    MIN_RAISE_SAMPLES,
     MIN_SAMPLES,
+    MODEL,
     RAISE_BELOW,
+    REJUDGE_SECONDS,
     STALE_SECONDS,
     STEP_UP,
+    UNREACHABLE_HERE,
     LatencyControl,
     control_step,
     p99,
 )
-from extproc.core.pool import WorkerPool
+from extproc.core.pool import Ticket, WorkerPool
 from extproc.core.scheduling import Routed, Scheduler
 
 PROMPT = 100
@@ -52,9 +59,14 @@ class Plant:
 
     base: float = 0.05
     per_request: float = 0.02
+    # Delay outside the engine (a gateway short of CPU): this share of the requests waits
+    # ``stall`` seconds there, which dwarfs what it then waits in the engine.
+    stall: float = 0.0
+    stall_share: float = 0.0
 
     def ttft(self, concurrency: int, rng: random.Random) -> float:
-        return (self.base + self.per_request * concurrency) * (1 + 0.1 * rng.random())
+        engine = (self.base + self.per_request * concurrency) * (1 + 0.1 * rng.random())
+        return self.stall + self.base if rng.random() < self.stall_share else engine
 
 
 class Sim:
@@ -74,10 +86,11 @@ class Sim:
         self.admitted: list[int] = []
         self.last_ms: dict[str, float] = {}  # the p99 of each worker's latest second
 
-    def admitted_now(self) -> dict[str, int]:
-        """Offer far more than capacity; count what each worker admits; release all."""
+    def admit(self, offered: int = 400) -> tuple[dict[str, int], list[Ticket]]:
+        """Offer ``offered`` requests (by default far more than capacity); count what each
+        worker admits; the tickets stay in flight."""
         tickets = []
-        for _ in range(400):
+        for _ in range(offered):
             decision = self.scheduler.decide("m", PROMPT)
             if not isinstance(decision, Routed):
                 break
@@ -85,21 +98,31 @@ class Sim:
         counts = dict.fromkeys(self.plants, 0)
         for t in tickets:
             counts[t.worker.worker_id] += 1
+        return counts, tickets
+
+    def admitted_now(self, offered: int = 400) -> dict[str, int]:
+        counts, tickets = self.admit(offered)
+        for t in tickets:
             self.pool.release(t)
         return counts
 
-    def second(self, samples: int = 30) -> None:
-        """One second of traffic, then one controller tick."""
-        counts = self.admitted_now()
+    def second(self, samples: int | None = 30, offered: int = 400) -> None:
+        """One second of traffic (``samples`` TTFTs per worker; None: one per request it
+        admitted), then one controller tick while those requests are in flight."""
+        counts, tickets = self.admit(offered)
         self.admitted.append(sum(counts.values()))
         self.clock.t += 1.0
         for wid, plant in self.plants.items():
             worker = self.pool.workers[wid]
-            values = [plant.ttft(counts[wid], self.rng) for _ in range(samples)]
+            n = counts[wid] if samples is None else samples
+            values = [plant.ttft(counts[wid], self.rng) for _ in range(n)]
             for value in values:
                 self.control.observe_ttft(worker, value)
-            self.last_ms[wid] = p99(values) * 1000
+            if values:
+                self.last_ms[wid] = p99(values) * 1000
         self.control.tick()
+        for t in tickets:
+            self.pool.release(t)
 
     def scale(self, wid: str = "w") -> float:
         return self.pool.workers[wid].latency_scale
@@ -210,6 +233,87 @@ def test_slowdown_then_recovery_follows_the_plant() -> None:
     assert sim.scale() == pytest.approx(before, abs=2 * STEP_UP)
 
 
+def test_recovers_to_the_ceiling_within_seconds_after_the_load_drops() -> None:
+    """A throttled worker whose load falls to a few requests a second: too few for
+    MIN_SAMPLES per move, yet their TTFT is far under the target. Raised by the headroom on
+    MIN_RAISE_SAMPLES, it is back at the ceiling within 10 s (by +STEP_UP per MIN_SAMPLES,
+    at 4 samples a second: over a minute)."""
+    plant = Plant(per_request=0.04)  # twice as slow: the target needs about x0.4
+    sim = Sim({"w": plant})
+    for _ in range(30):
+        sim.second()
+    assert sim.scale() < 0.6
+    plant.per_request = 0.02
+    scales = []
+    for _ in range(15):
+        sim.second(samples=None, offered=4)  # 4 TTFTs a second: under MIN_SAMPLES in 2 s
+        scales.append(sim.scale())
+    back = scales.index(1.0) + 1 if 1.0 in scales else None
+    assert back is not None and back <= 10, scales
+    assert scales == sorted(scales)  # straight up, no overshoot to undo
+    # Full load again: cut back to where the plant holds the target, as before.
+    for _ in range(30):
+        sim.second()
+    assert sim.p99_ms() <= TARGET_MS * 1.1
+
+
+def test_a_few_good_samples_raise_but_a_few_bad_ones_do_not_cut() -> None:
+    sim = Sim({"w": Plant()})
+    worker = sim.pool.workers["w"]
+
+    def feed(seconds: float) -> None:
+        sim.clock.t += 2.0
+        for _ in range(MIN_RAISE_SAMPLES):
+            sim.control.observe_ttft(worker, seconds)
+        sim.control.tick()
+
+    feed(2.0)  # the controller starts at the ceiling; too few samples to cut
+    assert sim.scale() == 1.0
+    sim.control.workers["w"][MODEL].scale = 0.25  # as after a cut
+    feed(0.1)  # 100 ms against 400: the largest raise
+    assert sim.scale() == pytest.approx(0.25 * MAX_STEP_UP)
+    feed(2.0)
+    assert sim.scale() == pytest.approx(0.25 * MAX_STEP_UP)
+
+
+def test_delay_outside_the_worker_is_not_cut_for() -> None:
+    """A fifth of the requests stall 600 ms outside the engine (the gateway's CPU): the
+    p99 misses the 400 ms target at any limit. Two cuts that do not shorten it are undone,
+    the limit holds at the ceiling and says why; it probes again only after
+    REJUDGE_SECONDS, and never stays down."""
+    sim = Sim({"w": Plant(per_request=0.005, stall=0.6, stall_share=0.2)})
+    scales = []
+    for _ in range(90):
+        sim.second()
+        scales.append(sim.scale())
+    assert min(scales) >= MAX_STEP_DOWN**2 - 1e-9  # at most two cuts in a row
+    at_ceiling = scales.count(1.0) / len(scales)
+    assert at_ceiling >= 0.8, scales
+    probes = sum(1 for a, b in itertools.pairwise(scales) if b < a == 1.0)
+    assert 1 <= probes <= 90 / REJUDGE_SECONDS + 1, scales
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None and view["target_unreachable"] is True
+    assert str(view["why"]).startswith(UNREACHABLE_HERE), view
+    # The stall over: the worker's own TTFT (250 ms at the ceiling) is within target.
+    sim.plants["w"].stall_share = 0.0
+    for _ in range(10):
+        sim.second()
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None and view["target_unreachable"] is False
+    assert sim.scale() == 1.0
+
+
+def test_a_slow_worker_behind_a_stalling_gateway_is_still_cut() -> None:
+    """The same stalls, and the engine itself far over the target: cuts shorten the p99,
+    so they go on until the target holds for the requests the stalls spare."""
+    sim = Sim({"w": Plant(stall=0.6, stall_share=0.005)})
+    for _ in range(40):
+        sim.second()
+    assert sim.scale() < 0.6
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None and not str(view["why"]).startswith(UNREACHABLE_HERE), view
+
+
 def test_idle_rank_keeps_the_ceiling_whatever_its_reported_load() -> None:
     sim = Sim({"w": Plant()})
     worker = sim.pool.workers["w"]
@@ -246,7 +350,10 @@ def test_control_step_is_bounded_and_points_the_right_way(
     step = control_step(scale, p99_ms / 1000, target_ms / 1000)
     assert FLOOR <= step.scale <= 1.0
     assert step.scale >= scale * MAX_STEP_DOWN - 1e-4  # bounded down
-    assert step.scale <= scale + STEP_UP + 1e-4  # bounded up
+    assert step.scale <= max(scale + STEP_UP, scale * MAX_STEP_UP) + 1e-4  # bounded up
+    if step.direction > 0:  # by the headroom: a p99 near the band raises little
+        headroom = RAISE_BELOW * target_ms / p99_ms
+        assert step.scale <= max(scale + STEP_UP, scale * headroom) + 1e-4
     if p99_ms > target_ms:
         assert step.scale <= scale
     elif p99_ms >= RAISE_BELOW * target_ms:
