@@ -19,31 +19,16 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from extproc.devstack import get_json, http, wait_until
-from extproc.devstack.llamacpp import EngineMissing, llama_server_binary, smollm2_model
 from tests.deploy.test_devstack import Demo, _children, _gone
+from tests.support.engine import require_engine
 
 MODEL = "smollm2"
 # The machine is shared and has 2 cores: conditions get generous deadlines.
 WAIT = 45.0
 
 
-def _engine_or_reason() -> str | None:
-    try:
-        llama_server_binary()
-        smollm2_model()
-    except EngineMissing as exc:
-        return str(exc)
-    return None
-
-
-_missing = _engine_or_reason()
-if _missing is not None:
-    if os.environ.get("CI"):
-        pytest.fail(f"the real engine is required under CI: {_missing}", pytrace=False)
-    pytest.skip(f"the real engine is not installed: {_missing}", allow_module_level=True)
+require_engine()
 
 
 def _chat(demo: Demo, max_tokens: int = 24) -> tuple[int, dict[str, str], bytes]:

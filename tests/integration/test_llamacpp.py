@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import signal
 import socket
 import threading
@@ -29,15 +28,13 @@ import pytest
 from extproc.devstack import AgentProcess, Envoy, Extproc, ProcessExited, http
 from extproc.devstack import wait_until as _wait_until
 from extproc.devstack.llamacpp import (
-    EngineMissing,
     LlamaServer,
-    llama_server_binary,
-    smollm2_model,
 )
 from extproc.devstack.prom import metric_sums
 from extproc.events.schema import ConfigEvent, LoadEvent
 from llmworker.llamacpp import parse_slots
 from tests.llmworker.support import Subscriber
+from tests.support.engine import require_engine
 
 MODEL = "smollm2"
 CTX = 1024  # tokens per engine, 512 per slot
@@ -52,20 +49,7 @@ PROMPT = "Write a very long story about a lighthouse keeper and the sea. " * 10
 WAIT = 60.0
 
 
-def _engine_or_reason() -> str | None:
-    try:
-        llama_server_binary()
-        smollm2_model()
-    except EngineMissing as exc:
-        return str(exc)
-    return None
-
-
-_missing = _engine_or_reason()
-if _missing is not None:
-    if os.environ.get("CI"):
-        pytest.fail(f"the real engine is required under CI: {_missing}", pytrace=False)
-    pytest.skip(f"the real engine is not installed: {_missing}", allow_module_level=True)
+require_engine()
 
 
 def wait_until(cond: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import time
 from typing import Any
@@ -22,25 +21,13 @@ from typing import Any
 import pytest
 
 from extproc.devstack import PYTHON, ROOT
-from extproc.devstack.llamacpp import EngineMissing, llama_server_binary, smollm2_model
+from tests.support.engine import require_engine
 
-
-def _engine_or_reason() -> str | None:
-    try:
-        llama_server_binary()
-        smollm2_model()
-    except EngineMissing as exc:
-        return str(exc)
-    if importlib.util.find_spec("matplotlib") is None:
-        return "matplotlib is not installed: pip install -e '.[loadtest]'"
-    return None
-
-
-_missing = _engine_or_reason()
-if _missing is not None:
-    if os.environ.get("CI"):
-        pytest.fail(f"the real engine is required under CI: {_missing}", pytrace=False)
-    pytest.skip(f"the real engine is not installed: {_missing}", allow_module_level=True)
+require_engine(
+    None
+    if importlib.util.find_spec("matplotlib") is not None
+    else "matplotlib is not installed: pip install -e '.[loadtest]'"
+)
 
 NAME = "overload-llamacpp"
 
