@@ -252,7 +252,8 @@ class Settings(SettingsTable):
         "EXTPROC_TTFT_P99_TARGET_MS",
         "busy",
         "time-to-first-token p99 to hold, in ms, for every model: the thresholds become a "
-        "ceiling and a controller per worker lowers its limits below it while the measured "
+        "ceiling (none configured: a full worker, every KV block and one batch of prompt "
+        "tokens) and a controller per worker lowers its limits below it while the measured "
         "p99 is above the target (docs/latency-target.md). Default: off",
         metavar="MS",
         expected=f"milliseconds in (0, {MAX_TARGET_MS}], or None to disable",
@@ -732,18 +733,6 @@ class Settings(SettingsTable):
                 f"--active-decode-blocks-threshold={self.active_decode_blocks_threshold} is "
                 f"inactive: decode-block checks run only with --router-mode kv "
                 f"(router mode is {self.router_mode})"
-            )
-        has_target = self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
-        thresholds = (
-            self.active_decode_blocks_threshold,
-            self.active_prefill_tokens_threshold,
-            self.active_prefill_tokens_threshold_frac,
-        )
-        if has_target and all(t is None for t in thresholds):
-            warnings.append(
-                "a latency target is set (--ttft-p99-target-ms / --itl-p99-target-ms) but no "
-                "busy threshold: the controller scales the thresholds, so nothing is shed until "
-                "one is set (--active-prefill-tokens-threshold, ...) as the ceiling"
             )
         if not is_loopback_host(self.admin_host) and not self.admin_token:
             warnings.append(

@@ -9,7 +9,7 @@ for whole-number loads ``load > x`` is the same as ``load > floor(x)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 DECODE = "active_decode_blocks_threshold"
@@ -22,6 +22,11 @@ TTFT_TARGET = "ttft_p99_target_ms"
 ITL_TARGET = "itl_p99_target_ms"
 TARGET_NAMES = (TTFT_TARGET, ITL_TARGET)
 MAX_TARGET_MS = 600_000
+# A latency target with no threshold configured scales a full worker: every KV block in use
+# (decode 1.0) and one batch of prompt tokens waiting (prefill fraction 1.0); past either
+# the engine queues, so a worker is at least that busy whatever the target.
+TARGET_ALONE_DECODE = 1.0
+TARGET_ALONE_PREFILL_FRAC = 1.0
 # The token threshold is an unsigned 64-bit integer, as in Dynamo.
 MAX_TOKEN_THRESHOLD = 2**64 - 1
 
@@ -61,6 +66,20 @@ class BusyThresholds:
         if self.itl_p99_target_ms is not None:
             out[ITL_TARGET] = self.itl_p99_target_ms
         return out
+
+
+def ceiling(th: BusyThresholds, class_target: bool = False) -> BusyThresholds:
+    """The thresholds a model's limits are built from: ``th`` as configured, or, with a
+    latency target (the model's, or a request class's: ``class_target``) and no threshold
+    configured, a full worker (:data:`TARGET_ALONE_DECODE`,
+    :data:`TARGET_ALONE_PREFILL_FRAC`) for the controller to scale down from."""
+    if th.any_set or not (th.has_target or class_target):
+        return th
+    return replace(
+        th,
+        active_decode_blocks=TARGET_ALONE_DECODE,
+        active_prefill_tokens_frac=TARGET_ALONE_PREFILL_FRAC,
+    )
 
 
 @dataclass(frozen=True, slots=True)

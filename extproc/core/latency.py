@@ -13,14 +13,18 @@ limits (the ceiling) toward the largest value that keeps the p99 under the targe
   them to lower or hold; to raise, ``MIN_RAISE_SAMPLES`` of those of the last
   ``RECENT_SECONDS`` (their maximum is then the p99): a limit that throttles admission must
   not starve itself of the samples that would let it rise, nor hold on the samples of a
-  load that has just gone;
+  load that has just gone; but within ``AFTER_CUT_SECONDS`` of a cut a raise needs
+  ``MIN_SAMPLES`` too, or the fast requests the cut admits would undo it;
 - a cut must pay: once a run of cuts, made while the worker was busy under its limit, has
   taken the limit to ``JUDGE_AFTER`` of where it began in 2 moves or more, and the p99 is
   still above ``FUTILE_BELOW`` of the one that began it, the delay is not the worker's
   (the gateway's own CPU, the network): the limit goes back to where the run began and
   holds, "target unreachable: delay not from the worker", until the p99 is within target
   again or leaves 2/3 to 3/2 of the judged one, or ``REJUDGE_SECONDS`` pass;
-- frozen while its data is stale: no sample for ``STALE_SECONDS``.
+- frozen while its data is stale: no sample for ``STALE_SECONDS``;
+- a streamed request still waiting for its first token past the target is a miss already:
+  its age so far counts as a sample (a lower bound of its TTFT), so a queue that builds is
+  cut while it builds, not a TTFT later when its requests finally answer.
 
 The TTFT comes from the gateway (the request path times each streamed response) or, with
 ``source="engine"``, from what the engine reports in its load events (histogram buckets;
@@ -40,7 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
-from extproc.core.pool import Worker, WorkerPool
+from extproc.core.pool import Ticket, Worker, WorkerPool
 
 # Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
 # per second for the controller to cut, below that load its limit is not what binds.
@@ -52,6 +56,9 @@ MIN_SAMPLES = 20  # below this the p99 is the maximum of too few: no cut
 # second of a throttled worker, a raise every 2 s instead of every 7-10 s.
 MIN_RAISE_SAMPLES = 5
 RECENT_SECONDS = 3.0  # the newest samples, which a raise is judged on
+# For this long after a cut a raise needs MIN_SAMPLES too: the first requests a cut admits
+# are fast because it just shortened the queue; raising on 5 of them undoes it at once.
+AFTER_CUT_SECONDS = 5.0
 STALE_SECONDS = 5.0
 FLOOR = 0.1
 STEP_UP = 0.05  # the smallest raise, of the ceiling
@@ -85,7 +92,7 @@ def p99(values: list[float]) -> float:
 
 
 class LatencyWindow:
-    """Recent latencies of one worker as (dispatch time, seconds), oldest first."""
+    """Recent latencies of one worker as (time observed, seconds), oldest first."""
 
     __slots__ = ("last_at", "samples")
 
@@ -94,17 +101,17 @@ class LatencyWindow:
         self.last_at: float | None = None  # when the newest sample was observed
 
     def add(self, now: float, seconds: float) -> None:
-        self.samples.append((now - seconds, seconds))
+        self.samples.append((now, seconds))
         self.last_at = now
 
     def since(self, now: float, start: float) -> list[float]:
-        """The latencies of requests dispatched at or after ``start`` within the window."""
+        """The latencies observed within the window of requests dispatched at or after
+        ``start`` (a TTFT longer than the window still counts when it ends)."""
         cutoff = now - WINDOW_SECONDS
         samples = self.samples
         while samples and samples[0][0] < cutoff:
             samples.popleft()
-        start = max(start, cutoff)
-        return [s for t, s in samples if t >= start]
+        return [s for t, s in samples if t - s >= start]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,18 +146,27 @@ def control_step(scale: float, p99_s: float, target_s: float) -> Step:
 
 
 def step_for(
-    scale: float, since_move: list[float], recent: list[float], target_s: float
+    scale: float,
+    since_move: list[float],
+    recent: list[float],
+    target_s: float,
+    after_cut: bool = False,
 ) -> tuple[Step, float] | None:
     """The move for the samples since the last move and the newest of them (the last
     ``RECENT_SECONDS``), with the p99 it is taken on; None: too few to move. A cut or a hold
     needs ``MIN_SAMPLES``; a raise ``MIN_RAISE_SAMPLES`` of the newest, so that a load that
-    has just fallen raises at once instead of holding on the samples from before it."""
+    has just fallen raises at once instead of holding on the samples from before it, except
+    right ``after_cut`` (``AFTER_CUT_SECONDS``): the first requests a cut admits are fast
+    because it just cut the queue, and raising on them would undo it; that raise needs
+    ``MIN_SAMPLES`` too."""
     full = None
     if len(since_move) >= MIN_SAMPLES:
         measured = p99(since_move)
         full = (control_step(scale, measured, target_s), measured)
-        if full[0].direction < 0 or full[0].unreachable:
+        if full[0].direction < 0 or full[0].unreachable or after_cut:
             return full
+    if after_cut:
+        return None
     if len(recent) >= MIN_RAISE_SAMPLES:
         measured = p99(recent)
         step = control_step(scale, measured, target_s)
@@ -208,6 +224,7 @@ class WorkerControl:
         "itl",
         "measured_at",
         "moved_at",
+        "overdue",
         "p99_s",
         "reason",
         "scale",
@@ -221,10 +238,13 @@ class WorkerControl:
         self.itl = LatencyWindow()
         self.scale = 1.0
         self.direction = 0
-        self.moved_at = now
+        # Never moved: every request in the window counts, also those dispatched just
+        # before the controller was created.
+        self.moved_at = now - WINDOW_SECONDS
         self.reason = "waiting for samples"
         self.unreachable = False
         self.p99_s: float | None = None  # the TTFT p99 of the current window
+        self.overdue = 0  # requests waiting for their first token past the target
         self.measured_at = AT_BODY
         # The run of cuts under judgement: (scale, p99) where it began, and its cuts since.
         self.anchor: tuple[float, float] | None = None
@@ -233,12 +253,13 @@ class WorkerControl:
         self.futile: tuple[float, float] | None = None
 
     def view(self, now: float) -> dict[str, object]:
-        engine = self.engine.since(now, now - WINDOW_SECONDS)
+        engine = self.engine.since(now, -math.inf)
         return {
             "limit": self.scale,
             "why": self.reason,
             "target_unreachable": self.unreachable,
             "ttft_p99_ms": None if self.p99_s is None else round(self.p99_s * 1000, 1),
+            "waiting_past_target": self.overdue,
             "ttft_measured_at": self.measured_at,
             "engine_ttft_p99_ms": round(p99(engine) * 1000, 1) if engine else None,
         }
@@ -299,6 +320,10 @@ class LatencyControl:
         pool.on_engine_ttft = self.observe_engine
         # Per worker id: its controllers by MODEL or class name.
         self.workers: dict[str, dict[str, WorkerControl]] = {}
+        # Timed streamed requests before their first token, by id(ticket): (ticket, class).
+        self.pending: dict[int, tuple[Ticket, str]] = {}
+        # Per tick: per worker id, (dispatch time, class) of its pending requests.
+        self._waiting: dict[str, list[tuple[float, str]]] = {}
         self._class_targets: dict[str, Targets] = {}
         self._variants: list[RequestClass] = []
         if classes is not None:
@@ -313,6 +338,7 @@ class LatencyControl:
             for c in table.classes
             if c.has_target and table.enabled
         }
+        self.pool.set_class_target(bool(self._class_targets))
         for wid, controls in self.workers.items():
             for name in [n for n in controls if n != MODEL and n not in self._class_targets]:
                 del controls[name]
@@ -343,6 +369,34 @@ class LatencyControl:
     def timed(self, model: str, request_class: str = "") -> bool:
         """Whether a request of ``model`` (and ``request_class``) is timed at all."""
         return self.pool.thresholds_for(model).has_target or request_class in self._class_targets
+
+    def dispatched(self, ticket: Ticket, request_class: str = "") -> None:
+        """A timed streamed request was routed: until its first token (or its end), its
+        age counts as a lower bound of its TTFT once it passes the target."""
+        if self._timed(ticket.worker, request_class):  # its controllers exist from now
+            self.pending[id(ticket)] = (ticket, request_class)
+
+    def _collect_waiting(self) -> None:
+        """Forget the pending requests that got their first token or ended; group the rest
+        by the worker they are on now."""
+        waiting: dict[str, list[tuple[float, str]]] = {}
+        for key, (ticket, cls) in list(self.pending.items()):
+            if ticket.released or not ticket.in_prefill:
+                del self.pending[key]
+            else:
+                waiting.setdefault(ticket.worker.worker_id, []).append((ticket.started, cls))
+        self._waiting = waiting
+
+    def _overdue(
+        self, worker: Worker, key: str, since: float, target_s: float, now: float
+    ) -> list[float]:
+        """The ages of ``worker``'s requests (of class ``key``; MODEL: all) dispatched at or
+        after ``since`` and still waiting for their first token after ``target_s``."""
+        return [
+            now - started
+            for started, cls in self._waiting.get(worker.worker_id, ())
+            if started >= since and now - started > target_s and (key == MODEL or cls == key)
+        ]
 
     def observe_ttft(
         self, worker: Worker, seconds: float, at_headers: bool = False, request_class: str = ""
@@ -377,6 +431,7 @@ class LatencyControl:
         now = self.clock()
         pool = self.pool
         turns: list[Turn] = []
+        self._collect_waiting()
         for worker_id in [w for w in self.workers if w not in pool.workers]:
             del self.workers[worker_id]
         for model, workers in pool.by_model.items():
@@ -430,7 +485,7 @@ class LatencyControl:
         now: float,
         engine: bool = False,
     ) -> Turn | None:
-        step = self._decide(c, targets, now, engine, worker.busy)
+        step = self._decide(c, targets, now, engine, worker, key)
         if step is None:
             return None
         c.reason = step.reason
@@ -446,12 +501,25 @@ class LatencyControl:
         return None
 
     def _decide(
-        self, c: WorkerControl, targets: Targets, now: float, engine: bool, busy: bool
+        self,
+        c: WorkerControl,
+        targets: Targets,
+        now: float,
+        engine: bool,
+        worker: Worker,
+        key: str,
     ) -> Step | None:
         """The step for this tick, or None when frozen (the reason says why)."""
         source = c.engine if engine else c.ttft
+        ttft_ms = targets.ttft_p99_target_ms
+        overdue: list[float] = []
+        if ttft_ms is not None and not engine:
+            overdue = self._overdue(worker, key, c.moved_at, ttft_ms / 1000, now)
+        c.overdue = len(overdue)
         newest = max((t for t in (source.last_at, c.itl.last_at) if t is not None), default=None)
-        everything = source.since(now, now - WINDOW_SECONDS)
+        if overdue:
+            newest = now  # requests waiting past the target are news
+        everything = source.since(now, -math.inf)
         c.p99_s = p99(everything) if everything else None
         if newest is None:
             c.reason = "waiting for samples"
@@ -461,17 +529,19 @@ class LatencyControl:
             return None
         steps: list[tuple[Step, float]] = []
         recent_from = max(c.moved_at, now - RECENT_SECONDS)
-        for name, window, target_ms in (
-            ("", source, targets.ttft_p99_target_ms),
-            ("ITL ", c.itl, targets.itl_p99_target_ms),
+        for name, window, target_ms, waiting in (
+            ("", source, ttft_ms, overdue),
+            ("ITL ", c.itl, targets.itl_p99_target_ms, []),
         ):
             if target_ms is None:
                 continue
+            recent_waiting = [age for age in waiting if now - age >= recent_from]
             found = step_for(
                 c.scale,
-                window.since(now, c.moved_at),
-                window.since(now, recent_from),
+                window.since(now, c.moved_at) + waiting,
+                window.since(now, recent_from) + recent_waiting,
                 target_ms / 1000,
+                after_cut=c.direction < 0 and now - c.moved_at < AFTER_CUT_SECONDS,
             )
             if found is not None:
                 step, measured = found
@@ -481,7 +551,7 @@ class LatencyControl:
             return None
         # The most cautious of the two targets decides.
         step, measured = min(steps, key=lambda s: (s[0].scale, not s[0].unreachable))
-        return judge_cut(c, step, measured, busy, now)
+        return judge_cut(c, step, measured, worker.busy, now)
 
     def unreachable(self, worker: Worker) -> bool:
         """Some target of ``worker`` is out of reach: above it at the floor, or by delay
@@ -502,8 +572,8 @@ class LatencyControl:
                 c = self.workers.get(worker.worker_id, {}).get(MODEL)
                 scales.append(worker.latency_scale)
                 if c is not None:
-                    samples.extend(c.ttft.since(now, now - WINDOW_SECONDS))
-                    engine.extend(c.engine.since(now, now - WINDOW_SECONDS))
+                    samples.extend(c.ttft.since(now, -math.inf))
+                    engine.extend(c.engine.since(now, -math.inf))
             yield ModelLatency(
                 model,
                 p99(samples) if samples else None,
@@ -525,13 +595,14 @@ class LatencyControl:
         else:
             out = {"limit": worker.latency_scale, "why": "waiting for samples" if has_model
                    else "no target for the model", "target_unreachable": False,
-                   "ttft_p99_ms": None, "ttft_measured_at": None,
+                   "ttft_p99_ms": None, "waiting_past_target": 0, "ttft_measured_at": None,
                    "engine_ttft_p99_ms": None}  # fmt: skip
         if self._class_targets:
             out["classes"] = {
                 name: controls[name].view(now) if name in controls else {
                     "limit": 1.0, "why": "waiting for samples", "target_unreachable": False,
-                    "ttft_p99_ms": None, "ttft_measured_at": None}
+                    "ttft_p99_ms": None, "waiting_past_target": 0,
+                    "ttft_measured_at": None}
                 for name in self._class_targets
             }  # fmt: skip
         return out

@@ -22,6 +22,7 @@ from extproc.core.busy import (
     BusyThresholds,
     RankLimits,
     Share,
+    ceiling,
     rank_busy_reason,
     rank_limits,
     scaled_limit,
@@ -259,6 +260,9 @@ class WorkerPool:
         # Request classes (extproc.core.classes): the default class's share, then the
         # others'. One class with the full share is the behaviour without classes.
         self.shares: list[Share] = [FULL_SHARE]
+        # Some request class has a latency target: a model without thresholds is scaled
+        # from a full worker (busy.ceiling), as with a target of its own.
+        self.class_target = False
 
     # ----- reading -----------------------------------------------------------------
 
@@ -460,6 +464,13 @@ class WorkerPool:
             versions.announce(model)
         return True
 
+    def set_class_target(self, on: bool) -> None:
+        """Whether some request class has a latency target; every limit is redone."""
+        if on != self.class_target:
+            self.class_target = on
+            for worker in self.workers.values():
+                self._recompute_limits(worker)
+
     def set_shares(self, shares: list[Share]) -> None:
         """The request classes' shares, the default class first; every flag is redone."""
         if not shares:
@@ -492,7 +503,7 @@ class WorkerPool:
 
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(
-            self.thresholds_for(worker.model),
+            ceiling(self.thresholds_for(worker.model), self.class_target),
             kv_mode=self.kv_mode,
             kv_total_blocks=worker.kv_total(rank),
             max_num_batched_tokens=worker.max_num_batched_tokens,

@@ -473,6 +473,8 @@ class ExtProcHandler:
             st.fallbacks = decision.fallbacks
             if self.latency is not None:
                 st.timed = self.latency.timed(st.model, self._class_name(st))
+                if st.timed and st.stream:  # a first token to wait for: overdue counts
+                    self.latency.dispatched(decision.ticket, self._class_name(st))
             if st.request_id is not None:
                 self._live[st.request_id] = st
             self._count_class(st, st.model, "routed")
@@ -594,6 +596,10 @@ class ExtProcHandler:
         """A streamed 2xx response began. Without a stream that delivers its body, prefill
         is over now; with one, at the first generated token."""
         st.streaming = True
+        if st.timed and self.latency is not None:
+            # Decided on the headers, the request's "stream" was not read; its response
+            # says it now (vLLM, SGLang and the simulated engine answer at once).
+            self.latency.dispatched(ticket, self._class_name(st))
         if not (self._observed or st.body_streamed or st.duplex_response):
             if st.timed and ticket.in_prefill:
                 self._time_first_token(st, ticket, 0)

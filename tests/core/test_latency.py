@@ -224,7 +224,9 @@ def test_slowdown_then_recovery_follows_the_plant() -> None:
         sim.second()
         if recovered_after is None and sim.last_ms["w"] <= TARGET_MS:
             recovered_after = second
-    assert recovered_after is not None and recovered_after <= 5  # back within target
+    # Back within target in 6 s or less (the goal is 10): three cuts, then whole requests
+    # of 40 ms each (8 at once is 406 ms with the plant's noise, 7 is within).
+    assert recovered_after is not None and recovered_after <= 6
     assert sim.last_ms["w"] <= TARGET_MS * 1.1
     assert sim.scale() < before
     plant.per_request = 0.02
@@ -464,3 +466,87 @@ def test_an_itl_target_moves_the_limit_and_the_more_cautious_target_wins() -> No
     assert sim.scale() < 1.0
     view = sim.control.view(worker)
     assert view is not None and str(view["why"]).startswith("ITL lowering")
+
+
+def test_a_target_alone_scales_a_full_worker_and_no_target_alone_sheds_nothing() -> None:
+    """No threshold configured: with a target the ceiling is every KV block and one batch
+    of prompt tokens waiting, scaled by the controller; without one nothing is ever busy."""
+    clock = Clock()
+    pool = WorkerPool(BusyThresholds(ttft_p99_target_ms=TARGET_MS), clock=clock)
+    pool.announce("w", model="m", endpoint="127.0.0.1:9000", kv_total_blocks=100,
+                  max_num_batched_tokens=2048)  # fmt: skip
+    worker = pool.workers["w"]
+    rank = worker.ranks[0]
+    assert (rank.limits.decode_blocks, rank.limits.prefill_tokens_frac) == (100, 2048)
+    assert rank.limits.prefill_tokens is None
+    pool.report_load("w", active_decode_blocks=10, active_prefill_tokens=2049)
+    assert worker.busy  # more than one batch of prompt tokens waits: busy at the ceiling
+    pool.report_load("w", active_decode_blocks=100, active_prefill_tokens=2048)
+    assert not worker.busy  # a full worker, and not beyond it
+    pool.report_load("w", active_decode_blocks=101, active_prefill_tokens=0)
+    assert worker.busy
+    pool.set_latency_scale(worker, 0.5)
+    assert (rank.limits.decode_blocks, rank.limits.prefill_tokens_frac) == (50, 1024)
+    # The target taken away: no threshold at all, the load no longer makes it busy, at once.
+    pool.set_thresholds("m", BusyThresholds())
+    assert worker.latency_scale == 1.0 and not worker.busy
+    assert rank.limits == type(rank.limits)(None, None, None)
+    # A configured threshold is the ceiling as it is: the others stay off.
+    pool.set_thresholds("m", BusyThresholds(active_decode_blocks=0.5, ttft_p99_target_ms=300.0))
+    assert (rank.limits.decode_blocks, rank.limits.prefill_tokens_frac) == (50, None)
+
+
+def test_requests_waiting_past_the_target_cut_before_they_answer() -> None:
+    """A streamed request with no first token past the target is a miss already: its age
+    counts, so the limit falls while the queue builds, not a TTFT later."""
+    sim = Sim({"w": Plant()})
+    _, tickets = sim.admit()
+    assert len(tickets) == 41
+    for t in tickets[:30]:
+        sim.control.dispatched(t)
+    sim.clock.t += 0.3  # under the 400 ms target: nothing overdue, no sample at all
+    sim.control.tick()
+    assert sim.scale() == 1.0
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None and view["why"] == "waiting for samples"
+    sim.clock.t += 0.3  # 600 ms: 30 requests overdue, none answered
+    sim.control.tick()
+    assert sim.scale() == MAX_STEP_DOWN  # x target / p99 = 0.67, bounded at 0.70
+    view = sim.control.view(sim.pool.workers["w"])
+    assert view is not None and str(view["why"]).startswith("lowering: p99 600 ms"), view
+    # Answered or ended: forgotten, and no longer counted.
+    for t in tickets[:20]:
+        sim.pool.generated(t, 1)
+    for t in tickets[20:25]:
+        sim.pool.release(t)
+    sim.clock.t += 1.0
+    sim.control.tick()
+    assert len(sim.control.pending) == 5
+    for t in tickets:
+        sim.pool.release(t)
+    sim.clock.t += 1.0
+    sim.control.tick()
+    assert sim.control.pending == {}
+
+
+def test_the_first_fast_requests_after_a_cut_do_not_undo_it() -> None:
+    """Right after a cut the requests it admits are fast because it just shortened the
+    queue: 5 of them do not raise the limit back (the hunting that kept a worker near its
+    ceiling); 20 since the cut judge it, as for a cut."""
+    sim = Sim({"w": Plant()})
+    worker = sim.pool.workers["w"]
+    sim.clock.t += 1.0
+    for _ in range(MIN_SAMPLES):
+        sim.control.observe_ttft(worker, 0.8)
+    sim.control.tick()
+    assert sim.scale() == MAX_STEP_DOWN
+    sim.clock.t += 1.0
+    for _ in range(MIN_RAISE_SAMPLES + 1):
+        sim.control.observe_ttft(worker, 0.05)  # dispatched after the cut, far under 400 ms
+    sim.control.tick()
+    assert sim.scale() == MAX_STEP_DOWN, sim.control.view(worker)
+    sim.clock.t += 1.0
+    for _ in range(MIN_SAMPLES - MIN_RAISE_SAMPLES - 1):
+        sim.control.observe_ttft(worker, 0.05)
+    sim.control.tick()
+    assert sim.scale() > MAX_STEP_DOWN  # 20 fast ones since the cut: raised

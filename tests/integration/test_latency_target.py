@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.core.busy import PREFILL, THRESHOLD_NAMES, TTFT_TARGET
+from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, TTFT_TARGET
 from extproc.core.latency import FLOOR
 from extproc.devstack import (
     ROOT,
@@ -54,6 +54,7 @@ class Stack:
     ext: Extproc
     sim: SimProcess
     envoy: Envoy
+    sim_port: int
 
     def worker(self) -> dict[str, Any]:
         return self.ext.workers()["sim"]
@@ -63,22 +64,23 @@ class Stack:
         return status, json.loads(raw)
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    ext = Extproc(tmp_path, ["--active-prefill-tokens-threshold", str(CEILING),
-                             "--worker-ttl", "60", "--log-level", "INFO"])  # fmt: skip
+@contextlib.contextmanager
+def sim_stack(tmp_path: Path, ext_args: list[str], name: str = "sim") -> Iterator[Stack]:
+    """The extproc with ``ext_args``, one simulated engine ("sim", model "m") and Envoy with
+    the output-observing filter chain; everything stopped on the way out."""
+    ext = Extproc(tmp_path, ["--worker-ttl", "60", "--log-level", "INFO", *ext_args])
     port = free_port()
     sim = envoy = None
     try:
         sim = SimProcess(
             cli_flags(host="127.0.0.1", port=port, model="m", worker_id="sim",
                       publish=ext.event_endpoint, heartbeat=0.3, log_level="WARNING"),
-            log_dir=tmp_path, name="sim",
+            log_dir=tmp_path, name=name,
         )  # fmt: skip
         wait_until(lambda: sim is not None and sim.healthy(port), 20, "sim up")
         wait_until(lambda: "sim" in ext.workers(), 10, "sim announced")
         envoy = Envoy(tmp_path, ext, [port], source=ROOT / "envoy" / "envoy-track-output.yaml")
-        yield Stack(ext, sim, envoy)
+        yield Stack(ext, sim, envoy, port)
     finally:
         if envoy is not None:
             envoy.stop()
@@ -87,24 +89,41 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         ext.stop()
 
 
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with sim_stack(tmp_path, ["--active-prefill-tokens-threshold", str(CEILING)]) as st:
+        yield st
+
+
 async def drive(url: str, seconds: float) -> Counter[int]:
     """CLIENTS closed-loop streaming clients for ``seconds``: statuses counted."""
-    statuses: Counter[int] = Counter()
+    return (await drive_classes(url, seconds, {"": CLIENTS}))[""]
+
+
+async def drive_classes(
+    url: str, seconds: float, per_class: dict[str, int]
+) -> dict[str, Counter[int]]:
+    """Closed-loop streaming clients per class (``x-request-class``; "": none) for
+    ``seconds``: statuses counted per class."""
+    statuses: dict[str, Counter[int]] = {cls: Counter() for cls in per_class}
     deadline = time.monotonic() + seconds
 
-    async def client(session: aiohttp.ClientSession) -> None:
+    async def client(session: aiohttp.ClientSession, cls: str) -> None:
+        headers = {"x-request-class": cls} if cls else {}
         for _ in range(MAX_REQUESTS_PER_CLIENT):
             if time.monotonic() >= deadline:
                 return
-            async with session.post(url + "/v1/completions", json=BODY) as resp:
+            async with session.post(url + "/v1/completions", json=BODY, headers=headers) as resp:
                 await resp.read()
-                statuses[resp.status] += 1
+                statuses[cls][resp.status] += 1
             if resp.status != 200:
                 await asyncio.sleep(0.02)  # a rejected client backs off a little
 
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(client(session) for _ in range(CLIENTS)))
+        await asyncio.gather(
+            *(client(session, cls) for cls, n in per_class.items() for _ in range(n))
+        )
     return statuses
 
 
@@ -257,3 +276,110 @@ async def test_a_reachable_target_is_held_for_the_clients(stack: Stack) -> None:
     assert control["target_unreachable"] is False and 0.1 < control["limit"] < 1.0, control
     turns = [line for line in stack.ext.proc.log().splitlines() if "latency limit of" in line]
     assert 1 <= len(turns) <= 3, turns  # settled, not hunting
+
+
+async def test_a_target_alone_sheds_from_a_full_worker_and_counts_requests_still_waiting(
+    tmp_path: Path,
+) -> None:
+    """No threshold configured: nothing is shed until a target is set; then the ceiling is
+    a full worker (every KV block, one batch of prompt tokens) and the controller scales
+    it. With the engine stalled (100x slower), no request gets its first token, yet the
+    limit falls: the requests waiting past the target count. Taking the target away sheds
+    nothing again, at once."""
+    short = {"model": "m", "prompt": "x" * 160, "max_tokens": 4, "stream": True}
+    slowdown = "/sim/slowdown"
+    with sim_stack(tmp_path, [], name="sim-alone") as stack:
+        sim_url = f"http://127.0.0.1:{stack.sim_port}"
+        assert not any((stack.worker()["ranks"][0].get("busy_limits") or {}).values())
+        status, _ = await asyncio.to_thread(stack.post, {"model": "m", TTFT_TARGET: 200})
+        assert status == 200
+        worker = stack.worker()
+        rank = worker["ranks"][0]
+        assert rank["busy_limits"][PREFILL_FRAC] == worker["max_num_batched_tokens"]
+        assert rank["busy_limits"][DECODE] == rank["effective"]["kv_total_blocks"] > 0
+
+        status, _, raw = await asyncio.to_thread(http, "POST", sim_url + slowdown, {"factor": 100})
+        assert status == 200, raw
+        clients = [asyncio.create_task(_one(stack.envoy.url, short)) for _ in range(32)]
+        try:
+
+            def cut() -> bool:
+                return float(_control(stack).get("limit", 1.0)) < 1.0
+
+            await asyncio.to_thread(wait_until, cut, 15, "the limit cut while requests wait")
+            control = await asyncio.to_thread(_control, stack)
+            assert control["ttft_p99_ms"] is None, control  # not one first token yet
+            assert control["waiting_past_target"] >= 20, control
+            assert str(control["why"]).startswith("lowering: p99"), control
+            rank = (await asyncio.to_thread(stack.worker))["ranks"][0]
+            assert rank["busy_limits"][PREFILL_FRAC] < rank["ceiling_limits"][PREFILL_FRAC]
+        finally:
+            for task in clients:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            await asyncio.to_thread(http, "POST", sim_url + slowdown, {"factor": 1})
+
+        status, _ = await asyncio.to_thread(stack.post, {"model": "m", "disable": [TTFT_TARGET]})
+        assert status == 200
+        rank = (await asyncio.to_thread(stack.worker))["ranks"][0]  # at once
+        assert not any((rank.get("busy_limits") or {}).values()), rank
+        after = await drive(stack.envoy.url, 2)
+        assert set(after) == {200}, after
+
+
+async def _one(url: str, body: dict[str, Any]) -> int:
+    """One streamed request, read to its end."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(url + "/v1/completions", json=body) as resp,
+    ):
+        await resp.read()
+        return resp.status
+
+
+CLASS_TARGETS = """
+default: standard
+classes:
+  critical: {priority: 0, share: 1.0}
+  standard: {priority: 1, share: 1.0}
+  sheddable: {priority: 2, share: 1.0, ttft_p99_target_ms: 1}
+"""
+
+
+async def test_a_class_target_sheds_that_class_and_never_a_higher_one(tmp_path: Path) -> None:
+    """A target on the sheddable class only, from the classes file, and no threshold at all:
+    its controller walks the sheddable requests' limit to the floor (1 ms is out of reach)
+    and they are shed, while the critical requests on the same worker are all admitted.
+    Taking the class's target away (POST /classes) sheds nothing again, at once."""
+    classes = tmp_path / "classes.yaml"
+    classes.write_text(CLASS_TARGETS)
+    mix = {"sheddable": 12, "critical": 4}
+    with sim_stack(tmp_path, ["--classes-file", str(classes)], name="sim-classes") as stack:
+        load = asyncio.create_task(drive_classes(stack.envoy.url, 90, mix))
+        try:
+
+            def at_floor() -> bool:
+                shed = (_control(stack).get("classes") or {}).get("sheddable") or {}
+                return shed.get("limit") == FLOOR and bool(shed.get("target_unreachable"))
+
+            await asyncio.to_thread(wait_until, at_floor, 60, "sheddable's limit at the floor")
+        finally:
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+        held = await drive_classes(stack.envoy.url, 4, mix)
+        assert held["sheddable"][529] > 0 and held["sheddable"][200] > 0, held
+        assert set(held["critical"]) == {200}, held  # never shed for a lower class's target
+        control = await asyncio.to_thread(_control, stack)
+        assert control["limit"] == 1.0  # the model has no target of its own
+
+        status, _, raw = await asyncio.to_thread(
+            http,
+            "POST",
+            stack.ext.admin + "/classes",
+            {"name": "sheddable", "ttft_p99_target_ms": None},
+        )
+        assert status == 200, raw
+        after = await drive_classes(stack.envoy.url, 2, mix)
+        assert set(after["sheddable"]) == {200} and set(after["critical"]) == {200}, after
