@@ -296,6 +296,7 @@ class ModelLatency:
 
 
 MODEL = ""  # the key of the model's own target among a worker's controllers
+UNKNOWN_PRIORITY = 10**9  # past every class's (0-1000)
 
 
 class LatencyControl:
@@ -463,7 +464,7 @@ class LatencyControl:
                     + [
                         c.scale
                         for key, c in controls.items()
-                        if key != MODEL and self._priority(key) >= v.priority
+                        if key != MODEL and v.priority >= self._priority(key)
                     ]
                 )
                 for v in self._variants
@@ -471,10 +472,12 @@ class LatencyControl:
         self.pool.set_latency_scale(worker, scale, by_variant)
 
     def _priority(self, name: str) -> int:
+        """The class's priority (0 is the most important); an unknown class is below every
+        class, so its multiplier applies to none."""
         for c in self._variants:
             if c.name == name:
                 return c.priority
-        return -1
+        return UNKNOWN_PRIORITY
 
     def _tick_one(
         self,

@@ -367,7 +367,11 @@ def test_control_step_is_bounded_and_points_the_right_way(
 
 def _classes_sim(critical_ms: float | None, sheddable_ms: float | None) -> tuple[Sim, Any]:
     sim = Sim({"w": Plant()}, target_ms=None)
-    classes: dict[str, Any] = {"critical": {"priority": 10}, "sheddable": {"share": 0.5}}
+    # Priority 0 is the most important (docs/classes.md, deploy/classes.example.yaml).
+    classes: dict[str, Any] = {
+        "critical": {"priority": 0},
+        "sheddable": {"priority": 2, "share": 0.5},
+    }
     if critical_ms is not None:
         classes["critical"]["ttft_p99_target_ms"] = critical_ms
     if sheddable_ms is not None:
@@ -490,6 +494,11 @@ def test_a_target_alone_scales_a_full_worker_and_no_target_alone_sheds_nothing()
     # The target taken away: no threshold at all, the load no longer makes it busy, at once.
     pool.set_thresholds("m", BusyThresholds())
     assert worker.latency_scale == 1.0 and not worker.busy
+    assert rank.limits == type(rank.limits)(None, None, None)
+    # A request class with a target of its own: the same full worker, for every class.
+    pool.set_class_target(True)
+    assert (rank.limits.decode_blocks, rank.limits.prefill_tokens_frac) == (100, 2048)
+    pool.set_class_target(False)
     assert rank.limits == type(rank.limits)(None, None, None)
     # A configured threshold is the ceiling as it is: the others stay off.
     pool.set_thresholds("m", BusyThresholds(active_decode_blocks=0.5, ttft_p99_target_ms=300.0))

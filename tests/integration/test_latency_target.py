@@ -348,14 +348,16 @@ classes:
 
 
 async def test_a_class_target_sheds_that_class_and_never_a_higher_one(tmp_path: Path) -> None:
-    """A target on the sheddable class only, from the classes file, and no threshold at all:
-    its controller walks the sheddable requests' limit to the floor (1 ms is out of reach)
-    and they are shed, while the critical requests on the same worker are all admitted.
-    Taking the class's target away (POST /classes) sheds nothing again, at once."""
+    """A target on the sheddable class only, from the classes file, beside a prefill
+    threshold that never fires for these clients: its controller walks the sheddable
+    requests' limit to the floor (1 ms is out of reach) and they are shed, while the critical
+    requests on the same worker are all admitted. Taking the class's target away
+    (POST /classes) sheds nothing again, at once."""
     classes = tmp_path / "classes.yaml"
     classes.write_text(CLASS_TARGETS)
     mix = {"sheddable": 12, "critical": 4}
-    with sim_stack(tmp_path, ["--classes-file", str(classes)], name="sim-classes") as stack:
+    args = ["--classes-file", str(classes), "--active-prefill-tokens-threshold", str(CEILING)]
+    with sim_stack(tmp_path, args, name="sim-classes") as stack:
         load = asyncio.create_task(drive_classes(stack.envoy.url, 90, mix))
         try:
 
