@@ -2,7 +2,9 @@
 fixed thresholds, through load phases and a worker that slows down?
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the output-observing filter chain
-and an access log, the extproc, two simulated vLLM-like workers), then:
+and an access log, the extproc, two workers: simulated vLLM-like engines, or with
+``--engine llamacpp`` two llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU, each
+with its agent), then:
 
 1. **unloaded**: one request at a time, the reference TTFT; the target defaults to 4 x its
    p50, rounded up to 10 ms (``--target-ms`` sets it);
@@ -12,13 +14,16 @@ and an access log, the extproc, two simulated vLLM-like workers), then:
    one worker ``--slow-factor`` x slower in the middle of the 3x phase: thresholds
    off; the shipped thresholds (``--shipped``); every ``--sweep`` candidate (the best of
    these and the shipped ones is "the best fixed thresholds"); the target mode (the
-   target set with ``POST /busy_threshold``, the shipped thresholds as its ceiling, no
-   tuning);
+   target set with ``POST /busy_threshold`` beside the shipped thresholds, its ceiling;
+   ``--target-ceiling`` sets others), and on the simulated workers "target alone" (no
+   threshold: the ceiling is a full worker);
 4. **TTFT sources**: the extproc's, the engines' and Envoy's TTFT against the clients'.
 
-Writes ``slo-results.md``/``.json`` and one ``slo-<mode>.png`` per mode under ``--out``.
+Writes ``slo-results.md``/``.json`` and one ``slo-<mode>.png`` per mode under ``--out``
+(``slo-llamacpp-*`` on llama.cpp).
 
-    python -m loadtest.slo                                   # ~8-10 minutes on 2 cores
+    python -m loadtest.slo                                   # ~10 minutes on 2 cores
+    python -m loadtest.slo --engine llamacpp                 # ~15 minutes
     python -m loadtest.slo --phases 1:10,3:20,10:10,1:10 --slow-at 5 --slow-for 8 \\
         --sweep '' --capacity 20                             # a quick look, ~2 minutes
 """
@@ -43,14 +48,16 @@ import aiohttp
 from extproc.devstack import ROOT, http, wait_until
 from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
 from loadtest.shedbench.classes import Retry
-from loadtest.shedbench.config import MODEL, Config
+from loadtest.shedbench.config import ENGINES, LLAMACPP, MODEL, SIM, Config
 from loadtest.shedbench.phases import Phase, PhasedRun, PhasePlan, run_phases
 from loadtest.shedbench.results import log, write_results
 from loadtest.shedbench.slo_report import (
     OFF,
     SHIPPED,
     TARGET,
+    TARGET_ALONE,
     SloResults,
+    file_prefix,
     markdown,
     plot,
     total_slo_goodput,
@@ -116,6 +123,18 @@ def read_access_log(path: Path, tag: str, expected: int) -> dict[int, AccessLine
     return found
 
 
+def name_workers(run: PhasedRun, stack: Stack) -> None:
+    """Attempts answered by an engine that does not name itself carry the upstream's
+    host:port (``x-served-by``): the worker id it stands for."""
+    ids = {
+        f"127.0.0.1:{port}": wid
+        for port, wid in zip(stack.engines.ports, stack.engines.ids, strict=True)
+    }
+    for req in run.requests:
+        for attempt in req.attempts:
+            attempt.worker = ids.get(attempt.worker, attempt.worker)
+
+
 @dataclass(frozen=True)
 class Options:
     plan: PhasePlan
@@ -124,6 +143,8 @@ class Options:
     sweep: tuple[tuple[float | None, float | None], ...]
     target_ms: float | None
     target_mode: bool
+    target_ceiling: tuple[float | None, float | None] = (None, None)
+    target_alone: bool = False
 
 
 async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command: str) -> Any:
@@ -150,17 +171,24 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
         modes = [off, Mode(SHIPPED, *opts.shipped)]
         modes += [Mode(f"fixed {_g(d)}/{_g(p)}", d, p) for d, p in opts.sweep]
         if opts.target_mode:
-            modes.append(Mode(TARGET, *opts.shipped, target_ms=target_ms))
+            modes.append(Mode(TARGET, *opts.target_ceiling, target_ms=target_ms))
             set_mode(stack, modes[-1], targets=True)  # fails now, not after the others
+            if opts.target_alone:
+                modes.append(Mode(TARGET_ALONE, None, None, target_ms=target_ms))
         results: list[ModeResult] = []
         by_mode: dict[str, list[dict[str, Any]]] = {}
         splits: dict[str, list[dict[str, Any]]] = {}
         measured: list[tuple[PhasedRun, dict[int, AccessLine]]] = []
-        for i, mode in enumerate(modes):
+        # "off" runs last: the queue it leaves behind (minutes of it on llama.cpp, whose
+        # slots drop a request whose client left only as they take it) needs no draining.
+        order = modes[1:] + modes[:1]
+        for i, mode in enumerate(order):
             set_mode(stack, mode, targets=opts.target_mode)
             tag = f"{i}-"
             phased = await run_phases(session, stack, cfg, opts.plan, capacity, opts.retry, tag)
-            await wait_idle(session, stack.engines, 60)
+            name_workers(phased, stack)
+            if mode is not off:
+                await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
             answered = sum(1 for r in phased.requests if any(a.status for a in r.attempts))
             lines = read_access_log(log_path, tag, answered)
             if mode.name != OFF:  # its queue's TTFTs of seconds would drown the comparison
@@ -176,6 +204,7 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
                 + ", back within target after "
                 + ("—" if result.recovery_s is None else f"{result.recovery_s:.1f} s"))  # fmt: skip
         set_mode(stack, off, targets=opts.target_mode)
+    results.sort(key=lambda m: [x.name for x in modes].index(m.mode.name))
     fixed = [m for m in results if m.mode.name != OFF and m.mode.target_ms is None]
     best = max(fixed, key=total_slo_goodput)
     return SloResults(
@@ -240,59 +269,108 @@ def _phases(text: str) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
+# What a run on each engine uses unless a flag says otherwise. llama.cpp: two llama-server
+# on 2 cores complete about 1.7 requests a second (docs/overload-llamacpp-results.md), so
+# the requests are short and the phases twice as long, for as many requests per window as
+# the controller and the 5-s windows can judge; the thresholds are the overload benchmark's
+# (2 requests in the slots, no prompt waiting: 16 tokens is 1/32 of the 512-token batch).
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    SIM: {
+        "kv_total_blocks": 640, "block_size": 16, "max_num_seqs": 48,
+        "max_num_batched_tokens": 2048, "speedup": 1.0, "prompt_tokens": 512,
+        "max_tokens": 128, "phases": "1:15,3:30,10:15,1:15", "slow_at": 10.0,
+        "slow_for": 10.0, "shipped": "0.9:0.4", "sweep": "0.7:0.25,1:0.8",
+        "target_ceiling": "0.9:0.4", "target_alone": True,
+        "unloaded_probes": 201, "sweep_seconds": 14.0,
+    },
+    LLAMACPP: {
+        "kv_total_blocks": 64, "block_size": 16, "max_num_seqs": 2,
+        "max_num_batched_tokens": 512, "speedup": 1.0, "prompt_tokens": 32,
+        "max_tokens": 32, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
+        "slow_for": 20.0, "shipped": "0.2:0.03125", "sweep": "0.1:0.03125,0.3:0.0625",
+        "target_ceiling": "0.2:0.03125", "target_alone": False,
+        "unloaded_probes": 41, "sweep_seconds": 24.0,
+    },
+}  # fmt: skip
+
+
+def _by_engine(key: str) -> str:
+    sim, llama = (ENGINE_DEFAULTS[e][key] for e in (SIM, LLAMACPP))
+    return f"(default: {sim!r} on sim, {llama!r} on llamacpp)"
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.slo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim = p.add_argument_group("simulated workers (two, identical)")
-    sim.add_argument("--kv-total-blocks", type=int, default=640)
-    sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--max-num-seqs", type=int, default=48)
-    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sim.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--engine", choices=ENGINES, default=SIM,
+                   help="the workers: two simulated engines, or two llama.cpp llama-server "
+                   "with their agents (make engine installs it); the files are named slo-* "
+                   "or slo-llamacpp-* (default: %(default)s)")  # fmt: skip
+    eng = p.add_argument_group(
+        "workers (two, identical; on llamacpp the context is "
+        "kv-total-blocks x block-size tokens and max-num-seqs its slots)"
+    )
+    for flag, kind in (("--kv-total-blocks", int), ("--block-size", int),
+                       ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
+                       ("--speedup", float)):  # fmt: skip
+        eng.add_argument(flag, type=kind, help=_by_engine(flag[2:].replace("-", "_")))
     req = p.add_argument_group("requests (streaming chat completions)")
-    req.add_argument("--prompt-tokens", type=int, default=512)
-    req.add_argument("--max-tokens", type=int, default=128)
+    req.add_argument("--prompt-tokens", type=int, help=_by_engine("prompt_tokens"))
+    req.add_argument("--max-tokens", type=int, help=_by_engine("max_tokens"))
     req.add_argument("--max-attempts", type=int, default=3,
                      help="attempts per request, the first included "
                      "(default: %(default)s)")  # fmt: skip
     run = p.add_argument_group("phases and the slowdown")
-    run.add_argument("--phases", default="1:15,3:30,10:15,1:15",
+    run.add_argument("--phases",
                      help="load:seconds per phase, load in multiples of capacity "
-                     "(default: %(default)s)")  # fmt: skip
+                     + _by_engine("phases"))  # fmt: skip
     run.add_argument("--slow-phase", type=int, default=2,
                      help="the phase (1-based) in which a worker slows down "
                      "(default: 2)")  # fmt: skip
-    run.add_argument("--slow-at", type=float, default=10.0,
-                     help="seconds into that phase (default: %(default)s)")  # fmt: skip
-    run.add_argument("--slow-for", type=float, default=10.0,
-                     help="how long it stays slow (default: %(default)s)")  # fmt: skip
+    run.add_argument("--slow-at", type=float,
+                     help="seconds into that phase " + _by_engine("slow_at"))  # fmt: skip
+    run.add_argument("--slow-for", type=float,
+                     help="how long it stays slow " + _by_engine("slow_for"))  # fmt: skip
     run.add_argument("--slow-factor", type=float, default=2.0,
-                     help="how many times slower (default: %(default)s)")  # fmt: skip
+                     help="how many times slower (default: %(default)s; llama.cpp: the "
+                     "server is paused and resumed on a 100-ms duty cycle)")  # fmt: skip
     mode = p.add_argument_group("modes")
-    mode.add_argument("--shipped", default="0.9:0.4",
+    mode.add_argument("--shipped",
                       help="decode:prefill_frac thresholds of the 'shipped' mode, also the "
-                      "target mode's ceiling (default: %(default)s, the overload "
-                      "benchmark's; the product ships with both off)")  # fmt: skip
-    mode.add_argument("--sweep", default="0.7:0.25,1:0.8",
+                      "target mode's ceiling " + _by_engine("shipped")
+                      + "; the overload benchmark's; the product ships with both off")  # fmt: skip
+    mode.add_argument("--sweep",
                       help="more fixed thresholds to try, decode:prefill_frac, "
-                      "comma-separated ('' = none; default: %(default)s)")  # fmt: skip
+                      "comma-separated ('' = none) " + _by_engine("sweep"))  # fmt: skip
+    mode.add_argument("--target-ceiling",
+                      help="decode:prefill_frac thresholds configured beside the target in "
+                      "the target mode, its ceiling; off:off = the target alone, whose "
+                      "ceiling is a full worker " + _by_engine("target_ceiling"))  # fmt: skip
+    mode.add_argument("--target-alone", action=argparse.BooleanOptionalAction,
+                      help="also run the mode 'target alone': the target and no threshold, "
+                      "its ceiling a full worker " + _by_engine("target_alone"))  # fmt: skip
     mode.add_argument("--target-ms", type=float,
                       help="the TTFT p99 target (default: 4 x the unloaded p50)")  # fmt: skip
     mode.add_argument("--no-target-mode", action="store_true",
                       help="skip the target mode (an extproc without latency targets)")  # fmt: skip
+    p.add_argument("--unloaded-probes", type=int, help=_by_engine("unloaded_probes"))
     p.add_argument("--capacity", type=float, help="req/s: skip the sweep and use this")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds the last streams get after the last phase")  # fmt: skip
-    p.add_argument("--sweep-seconds", type=float, default=14.0)
+    p.add_argument("--sweep-seconds", type=float, help=_by_engine("sweep_seconds"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the results and plots")
     a = p.parse_args(argv)
+    for key, value in ENGINE_DEFAULTS[a.engine].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     try:
         phases = _phases(a.phases)
         shipped = _pair("--shipped", a.shipped)
+        target_ceiling = _pair("--target-ceiling", a.target_ceiling)
         sweep = tuple(_pair("--sweep", x) for x in a.sweep.split(",") if x.strip())
     except ValueError as exc:
         p.error(str(exc))
@@ -306,6 +384,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         p.error(f"--slow-factor: {a.slow_factor:g} is not a factor from 1 to 100")
     if a.target_ms is not None and not 0 < a.target_ms <= 600000:
         p.error(f"--target-ms: {a.target_ms:g} is not a number of ms in (0, 600000]")
+    if a.unloaded_probes < 2:
+        p.error(f"--unloaded-probes: {a.unloaded_probes} is not a count of 2 or more "
+                "(the first is not counted)")  # fmt: skip
     if a.max_attempts < 1:
         p.error(f"--max-attempts: {a.max_attempts} is not a count of 1 or more")
     for flag, value in (("--capacity", a.capacity), ("--grace", a.grace)):
@@ -329,6 +410,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         seed=a.seed,
         capacity=a.capacity,
         track_output_blocks=True,
+        engine=a.engine,
+        # A real model may end a reply before max_tokens; every request should cost the same.
+        ignore_eos=a.engine == LLAMACPP,
+        unloaded_probes=a.unloaded_probes,
     )
     plan = PhasePlan(
         phases=phases,
@@ -338,7 +423,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         slow_factor=a.slow_factor,
     )
     retry = Retry(max_attempts=a.max_attempts)
-    opts = Options(plan, retry, shipped, sweep, a.target_ms, not a.no_target_mode)
+    opts = Options(
+        plan,
+        retry,
+        shipped,
+        sweep,
+        a.target_ms,
+        not a.no_target_mode,
+        target_ceiling,
+        a.target_alone and not a.no_target_mode,
+    )
     return cfg, opts, Path(a.out)
 
 
@@ -357,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
         finally:
             stack.close()
-    write_results(out, "slo", results, markdown(results), plot)
+    write_results(out, file_prefix(cfg), results, markdown(results), plot)
     return 0
 
 

@@ -27,7 +27,9 @@ class Outcome:
     retry_after: float | None = None  # of a rejection, in seconds
     shed_class: str = ""  # x-shed-class of a rejection: the class the extproc decided on
     shed_reason: str = ""  # x-shed-reason of a rejection: the check that fired
-    worker: str = ""  # x-worker-id of an answer: the worker that served it
+    # The worker that served an answer: its x-worker-id (the simulated engine sends one),
+    # else the x-served-by a benchmark's Envoy adds (the upstream's host:port).
+    worker: str = ""
 
 
 def request_body(cfg: Config, rng: random.Random, max_tokens: int | None = None) -> bytes:
@@ -45,6 +47,9 @@ def request_body(cfg: Config, rng: random.Random, max_tokens: int | None = None)
     return json.dumps(body).encode()
 
 
+SERVED_BY = "x-served-by"  # %UPSTREAM_HOST%, added by :func:`ttft_sources.access_log_tweak`
+
+
 async def send(
     session: aiohttp.ClientSession,
     url: str,
@@ -58,7 +63,7 @@ async def send(
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             out.status = resp.status
-            out.worker = resp.headers.get("x-worker-id", "")
+            out.worker = resp.headers.get("x-worker-id") or resp.headers.get(SERVED_BY) or ""
             if resp.status != 200:
                 with contextlib.suppress(ValueError):
                     out.retry_after = float(resp.headers.get("retry-after", ""))

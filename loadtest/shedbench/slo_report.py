@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.shedbench.classes import Retry
-from loadtest.shedbench.config import Config
+from loadtest.shedbench.config import LLAMACPP, SIM, Config
 from loadtest.shedbench.phases import PhasePlan
-from loadtest.shedbench.report import MARK, Verdict
+from loadtest.shedbench.report import MARK, Verdict, workers_text
 from loadtest.shedbench.results import fmt_ms
 from loadtest.shedbench.windows import SETTLE, WINDOW, ModeResult
 
 GOODPUT_SHARE = 0.95  # of the best fixed thresholds' SLO goodput, in every phase
 WINDOWS_WITHIN = 0.95  # of the judged windows within target
 RECOVERY_GOAL_S = 10.0
-OFF, SHIPPED, TARGET = "off", "shipped", "target"
+OFF, SHIPPED, TARGET, TARGET_ALONE = "off", "shipped", "target", "target alone"
 
 
 @dataclass
@@ -167,10 +167,10 @@ def markdown(res: SloResults) -> str:
         else f"Capacity: **{res.capacity_rps:.2f} req/s**, given with `--capacity`."
     )
     per_mode = "\n\n".join(
-        f"#### {m.mode.name}\n\n![{m.mode.name}]({plot_name(m.mode.name)})\n\n"
+        f"#### {m.mode.name}\n\n![{m.mode.name}]({plot_name(res.config, m.mode.name)})\n\n"
         f"{_window_table(m, res.target_ms)}"
         for m in res.modes
-        if m.mode.name in (OFF, SHIPPED, TARGET, res.best_fixed)
+        if m.mode.name in (OFF, SHIPPED, TARGET, TARGET_ALONE, res.best_fixed)
     )
     r = res.retry
     return f"""## Holding a latency target: the benchmark
@@ -181,17 +181,14 @@ Command (took {res.seconds:.0f} s):
 {res.command}
 ```
 
-Workers: 2 simulated engines, each `--kv-total-blocks {cfg.kv_total_blocks} --block-size \
-{cfg.block_size} --max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens \
-{cfg.max_num_batched_tokens} --speedup {cfg.speedup:g}`; every request a streaming chat \
-completion of {cfg.prompt_tokens} prompt tokens and `max_tokens` {cfg.max_tokens}, through \
-Envoy (`envoy/envoy-track-output.yaml`, the extproc with `--router-track-output-blocks`). \
+{workers_text(cfg)} Through Envoy (`envoy/envoy-track-output.yaml`, the extproc with \
+`--router-track-output-blocks`). \
 Unloaded TTFT p50 {res.unloaded_ttft_p50_ms:.1f} ms, p99 {res.unloaded_ttft_p99_ms:.1f} ms. \
 {capacity}
 
 Offered load (Poisson, the same seeded arrivals in every mode): {phases}. \
 {plan.slow_at:g} s into phase {plan.slow_phase + 1}, worker {plan.slow_worker + 1} becomes \
-{plan.slow_factor:g}x slower (`POST /sim/slowdown`) for {plan.slow_for:g} s. Clients retry an \
+{plan.slow_factor:g}x slower ({_how_slowed(cfg)}) for {plan.slow_for:g} s. Clients retry an \
 overload reply after `Retry-After` plus a uniform backoff in [0, min({r.cap:g}, \
 {r.base:g} x 2^(n-1))] s, at most {r.max_attempts} attempts. The target: TTFT p99 \
 **{res.target_ms:g} ms**; it is also the bar of SLO goodput (streams completed in the phase \
@@ -237,6 +234,12 @@ slowdown was on during the window; "(settling)": the first {SETTLE:g} s of a pha
 """
 
 
+def _how_slowed(cfg: Config) -> str:
+    if cfg.engine == LLAMACPP:
+        return "the server process paused and resumed, SIGSTOP/SIGCONT, on a 100-ms duty cycle"
+    return "`POST /sim/slowdown`"
+
+
 def _recovered(m: ModeResult) -> str:
     before, during = m.slow_worker_ttft_p50_ms
     effect = f" (the slowed worker's TTFT p50: {fmt_ms(before)} ms before, {fmt_ms(during)} during)"
@@ -245,8 +248,13 @@ def _recovered(m: ModeResult) -> str:
     return f"{m.recovery_s:.1f} s" + effect
 
 
-def plot_name(mode: str) -> str:
-    return f"slo-{mode.replace(' ', '-').replace('/', '-')}.png"
+def file_prefix(cfg: Config) -> str:
+    """What a run's files are named after: ``slo``, or ``slo-<engine>`` on a real engine."""
+    return "slo" if cfg.engine == SIM else f"slo-{cfg.engine}"
+
+
+def plot_name(cfg: Config, mode: str) -> str:
+    return f"{file_prefix(cfg)}-{mode.replace(' ', '-').replace('/', '-')}.png"
 
 
 def plot(res: SloResults, out: Path) -> list[Path]:
@@ -260,7 +268,7 @@ def plot(res: SloResults, out: Path) -> list[Path]:
     paths: list[Path] = []
     starts = res.plan.starts()
     for m in res.modes:
-        if m.mode.name not in (OFF, SHIPPED, TARGET, res.best_fixed):
+        if m.mode.name not in (OFF, SHIPPED, TARGET, TARGET_ALONE, res.best_fixed):
             continue
         fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.0), sharex=True)
         ttft, limit, rate = axes
@@ -297,7 +305,7 @@ def plot(res: SloResults, out: Path) -> list[Path]:
         ttft.set_title(f"{m.mode.name}: {m.mode.describe()}\nphases {loads}; shaded: one "
                        f"worker {res.plan.slow_factor:g}x slower", fontsize=9)  # fmt: skip
         fig.tight_layout()
-        paths.append(out / plot_name(m.mode.name))
+        paths.append(out / plot_name(res.config, m.mode.name))
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths

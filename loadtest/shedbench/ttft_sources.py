@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.shedbench.client import Outcome
+from loadtest.shedbench.client import SERVED_BY, Outcome
 from loadtest.shedbench.phases import BENCH_ID_HEADER, PhasedRun
 from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.workers import Buckets
@@ -38,11 +38,17 @@ ACCESS_LOG_FORMAT = (
 
 
 def access_log_tweak(path: str) -> Any:
-    """An Envoy config tweak: the listener's access log in :data:`ACCESS_LOG_FORMAT`."""
+    """An Envoy config tweak: the listener's access log in :data:`ACCESS_LOG_FORMAT`, and
+    every answer saying which upstream served it (``x-served-by``: an engine such as
+    llama-server does not name itself)."""
 
     def tweak(cfg: dict[str, Any]) -> None:
         listener = cfg["static_resources"]["listeners"][0]
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            vhost.setdefault("response_headers_to_add", []).append(
+                {"header": {"key": SERVED_BY, "value": "%UPSTREAM_HOST%"}}
+            )
         hcm["access_log"] = [
             {
                 "name": "envoy.access_loggers.file",

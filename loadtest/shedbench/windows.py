@@ -26,6 +26,8 @@ class Mode:
     target_ms: float | None = None
 
     def describe(self) -> str:
+        if self.decode is None and self.prefill_frac is None and self.target_ms:
+            return f"TTFT p99 target {self.target_ms:g} ms alone (its ceiling: a full worker)"
         if self.decode is None and self.prefill_frac is None:
             checks = "thresholds off"
         else:

@@ -7,14 +7,16 @@ own pages, :meth:`Workers.ttft_buckets`, the TTFT the engines report, and
 simulated vLLM-like engines that publish their load to the extproc. :class:`LlamaWorkers`: two
 llama.cpp ``llama-server`` processes serving SmolLM2-135M on this CPU, each with the sidecar
 agent (``--engine llamacpp``) publishing its load; a real engine has no knob for its speed, so
-its slowdown raises NotImplementedError until it restricts the server's threads or pauses and
-resumes the process (SIGSTOP/SIGCONT) on a duty cycle. :func:`workers_for` picks the class a
-:class:`Config` names.
+its slowdown pauses and resumes the server process (SIGSTOP/SIGCONT) on a duty cycle
+(:class:`DutyCycle`). :func:`workers_for` picks the class a :class:`Config` names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -199,6 +201,7 @@ class LlamaWorkers:
         self.cfg = cfg
         self.servers: list[LlamaServer] = []
         self.agents: list[AgentProcess] = []
+        self._duty: dict[int, DutyCycle] = {}
         try:
             for i in range(1, self.count + 1):
                 server = LlamaServer(
@@ -247,10 +250,15 @@ class LlamaWorkers:
         return {}
 
     async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
-        raise NotImplementedError(
-            "llama-server has no knob for its speed: a slowdown would restrict its threads "
-            "or pause and resume it (SIGSTOP/SIGCONT) on a duty cycle"
-        )
+        """Pause and resume the server on a :class:`DutyCycle`: it runs 1/``factor`` of
+        the time, so everything it does takes ``factor`` times as long."""
+        if not 1.0 <= factor <= 100.0:
+            raise ValueError(f"slowdown factor: {factor!r} is not a factor from 1 to 100")
+        old = self._duty.pop(index, None)
+        if old is not None:
+            await old.stop()
+        if factor > 1.0:
+            self._duty[index] = DutyCycle(self.servers[index].pid, factor)
 
     async def load(self, session: aiohttp.ClientSession) -> EngineLoad:
         running = waiting = 0.0
@@ -273,10 +281,48 @@ class LlamaWorkers:
         return {"engines": [s.pid for s in self.servers], "agents": [a.pid for a in self.agents]}
 
     def stop(self) -> None:
+        for duty in self._duty.values():
+            duty.resume()  # a stopped process would not see the SIGTERM until resumed
         for agent in self.agents:
             agent.stop()
         for server in self.servers:
             server.stop()
+
+
+class DutyCycle:
+    """A process paused (SIGSTOP) and resumed (SIGCONT) every :attr:`PERIOD` seconds,
+    running 1/``factor`` of each period, until :meth:`stop`; it is left running.
+
+    The period is short against a request (llama-server takes about 30 ms per token and
+    hundreds for a prompt on this CPU), so each request is slowed evenly rather than some
+    stalled whole; the engine sees nothing but a slower CPU, and its own clock, its
+    ``/metrics`` and ``/slots`` answers, keep running (answered when it runs again).
+    """
+
+    PERIOD = 0.1
+
+    def __init__(self, pid: int, factor: float) -> None:
+        self.pid = pid
+        self.run_for = self.PERIOD / factor
+        self.task = asyncio.create_task(self._cycle())
+
+    async def _cycle(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.run_for)
+                os.kill(self.pid, signal.SIGSTOP)
+                await asyncio.sleep(self.PERIOD - self.run_for)
+                os.kill(self.pid, signal.SIGCONT)
+        finally:
+            self.resume()
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 async def _slots_text(session: aiohttp.ClientSession, server: LlamaServer) -> str:

@@ -49,7 +49,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("slo-results.md", "slo-results.json",
-                 "slo-off.png", "slo-shipped.png", "slo-target.png"):  # fmt: skip
+                 "slo-off.png", "slo-shipped.png", "slo-target.png",
+                 "slo-target-alone.png"):  # fmt: skip
         assert (out / name).stat().st_size > 0, name
     return json.loads((out / "slo-results.json").read_text()), (out / "slo-results.md").read_text()
 
@@ -61,15 +62,20 @@ def test_every_mode_runs_every_phase_from_the_same_arrivals(
 ) -> None:
     res, md = run
     modes = {m["mode"]["name"]: m for m in res["modes"]}
-    assert list(modes) == ["off", "shipped", "target"]
+    assert list(modes) == ["off", "shipped", "target", "target alone"]
     assert modes["target"]["mode"]["target_ms"] == res["target_ms"] > 0
+    # The target beside the shipped thresholds (its ceiling), and the target alone.
+    target, alone = modes["target"]["mode"], modes["target alone"]["mode"]
+    assert (target["decode"], target["prefill_frac"]) == (0.9, 0.4)
+    assert (alone["decode"], alone["prefill_frac"]) == (None, None)
+    assert alone["target_ms"] == res["target_ms"]
     assert (modes["shipped"]["mode"]["decode"], modes["shipped"]["mode"]["prefill_frac"]) == (
         0.9,
         0.4,
     )
     assert res["best_fixed"] == "shipped"  # the only fixed thresholds of this run
     counts = {name: [p["requests"] for p in m["phases"]] for name, m in modes.items()}
-    assert counts["off"] == counts["shipped"] == counts["target"]
+    assert counts["off"] == counts["shipped"] == counts["target"] == counts["target alone"]
     for (load, seconds), requests in zip(PHASES, counts["off"], strict=True):
         # Poisson at load x 10 req/s: well within 50 % of the mean, seeded.
         assert 0.5 * load * 10 * seconds < requests < 1.5 * load * 10 * seconds
