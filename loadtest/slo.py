@@ -70,7 +70,7 @@ from loadtest.shedbench.ttft_sources import (
     parse_access_log,
     split,
 )
-from loadtest.shedbench.windows import Mode, ModeResult, summarize_run
+from loadtest.shedbench.windows import Mode, ModeResult, recovery_text, summarize_run
 from loadtest.shedbench.workers import wait_idle
 
 TARGET_FIELD = "ttft_p99_target_ms"
@@ -201,8 +201,8 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
                 + " / ".join(f"{p.slo_goodput_rps:.1f}" for p in result.phases)
                 + " req/s, windows within target "
                 + " / ".join(f"{p.windows_within}/{p.windows_judged}" for p in result.phases)
-                + ", back within target after "
-                + ("—" if result.recovery_s is None else f"{result.recovery_s:.1f} s"))  # fmt: skip
+                + ", recovery: "
+                + recovery_text(result.recovery_s))  # fmt: skip
         set_mode(stack, off, targets=opts.target_mode)
     results.sort(key=lambda m: [x.name for x in modes].index(m.mode.name))
     fixed = [m for m in results if m.mode.name != OFF and m.mode.target_ms is None]

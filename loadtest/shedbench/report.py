@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loadtest.shedbench.classes import ALONE, CLASS_HEADER, MIX, RETRY, MixedCell, Retry
@@ -13,6 +14,7 @@ from loadtest.shedbench.config import LLAMACPP, Config
 from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, median
 from loadtest.shedbench.results import fmt_ms, fmt_pct
 from loadtest.shedbench.stats import Cell
+from loadtest.shedbench.windows import NOT_LEFT
 
 
 @dataclass
@@ -55,11 +57,11 @@ class MixedResults:
 @dataclass
 class Verdict:
     name: str
-    met: bool
+    met: bool | None  # None: not tested (the run had nothing the goal could be judged on)
     detail: str
 
 
-MARK = {True: "met", False: "**missed**"}
+MARK = {True: "met", False: "**missed**", None: "not tested"}
 
 # --- overload ----------------------------------------------------------------------------------
 
@@ -268,6 +270,35 @@ def _s(value: float | None) -> str:
     return "not within the probes" if value is None else f"{value:.2f}"
 
 
+def _round_s(r: RecoveryRound, value: float | None) -> str:
+    """A round's time, or "not left" where its phase was not shedding when it ended: there
+    was nothing to recover from, so the probes' answer times are no recovery time."""
+    return _s(value) if r.overloaded else NOT_LEFT
+
+
+def recovery_verdict(load: float, rounds: Sequence[RecoveryRound]) -> Verdict:
+    """The median 95 %-admitted time after ``load`` x capacity against the goal, over the
+    rounds whose phase was still shedding when it ended; not tested without such a round."""
+    left = [r for r in rounds if r.overloaded]
+    name = f"after {load:g}x: 95 % admitted <= {RECOVERY_GOAL_S:g} s (median)"
+    skipped = len(rounds) - len(left)
+    aside = (
+        f"; {skipped} of {len(rounds)} rounds not shedding at their end ({NOT_LEFT}), not counted"
+        if skipped
+        else ""
+    )
+    if not left:
+        return Verdict(name, None, f"no round was shedding at its end ({NOT_LEFT}){aside}")
+    first = median([r.first_admitted_s for r in left])
+    full = median([r.admitted_95_s for r in left])
+    return Verdict(
+        name,
+        full is not None and full <= RECOVERY_GOAL_S,
+        f"median of {len(left)} rounds, first admitted {_s(first)} s, 95 % admitted "
+        f"{_s(full)} s{aside}",
+    )
+
+
 def recovery_markdown(res: Results) -> str:
     """The recovery rounds, their medians per load and the 1 s goal; empty if none ran."""
     plan = res.recovery_plan
@@ -292,20 +323,14 @@ def recovery_markdown(res: Results) -> str:
         rows.append(
             f"| {r.load:g}x | {r.round} | {r.overload_sent} / {r.overload_rejected} "
             f"({r.overload_rejected_last_second}) | {end} | {_s(r.first_free_s)} | "
-            f"{_s(r.first_admitted_s)} | {_s(r.admitted_95_s)} | "
+            f"{_round_s(r, r.first_admitted_s)} | {_round_s(r, r.admitted_95_s)} | "
             f"{r.probes_admitted} of {len(r.probes)} | {reasons} | {r.overload_marked_s:.2f} | "
             f"{r.oldest_report_ms:.0f} |"
         )
     verdicts = []
     for load in sorted({r.load for r in res.recovery}):
-        mine = [r for r in res.recovery if r.load == load]
-        first = median([r.first_admitted_s for r in mine])
-        full = median([r.admitted_95_s for r in mine])
-        met = full is not None and full <= RECOVERY_GOAL_S and all(r.overloaded for r in mine)
-        verdicts.append(
-            f"- after {load:g}x: median of {len(mine)} rounds, first admitted {_s(first)} s, "
-            f"95 % admitted {_s(full)} s; goal <= {RECOVERY_GOAL_S:g} s: {MARK[met]}"
-        )
+        v = recovery_verdict(load, [r for r in res.recovery if r.load == load])
+        verdicts.append(f"- {v.name}: {v.detail}: {MARK[v.met]}")
     interval = 1 / plan.probe_rate
     need = math.ceil(plan.share * plan.window - 1e-9)
     return f"""
@@ -320,8 +345,11 @@ from which at least {need} of {plan.window} consecutive probes \
 ({plan.window * interval:g} s) were answered 200. Resolution: one probe interval. Between \
 rounds the run waits until both engines are empty. "sent / 529 (last second)": the overload \
 phase's arrivals, those rejected, and those rejected in its last second (the phase was still \
-shedding when it ended). The extproc's view, `GET /debug/workers` sampled at the probe rate \
-from the overload's end and summed over both workers: KV blocks "effective" (per rank the \
+shedding when it ended). A round with none rejected in its last second had nothing to \
+recover from: its times read "{NOT_LEFT}", and the medians and the goal count only the \
+other rounds (none left: the goal is "not tested", never "met"). The extproc's view, \
+`GET /debug/workers` sampled at the probe rate from the overload's end and summed over both \
+workers: KV blocks "effective" (per rank the \
 larger of the last reported load and the router's estimate of its requests in flight) \
 against the decode threshold's limit at the end; the first sample with a worker free; the \
 time a worker was under an overload mark (after a worker-side rejection or an unreachable \

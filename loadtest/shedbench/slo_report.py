@@ -13,7 +13,13 @@ from loadtest.shedbench.config import LLAMACPP, SIM, Config
 from loadtest.shedbench.phases import PhasePlan
 from loadtest.shedbench.report import MARK, Verdict, workers_text
 from loadtest.shedbench.results import fmt_ms
-from loadtest.shedbench.windows import SETTLE, WINDOW, ModeResult
+from loadtest.shedbench.windows import (
+    NOT_LEFT,
+    SETTLE,
+    WINDOW,
+    ModeResult,
+    recovery_text,
+)
 
 GOODPUT_SHARE = 0.95  # of the best fixed thresholds' SLO goodput, in every phase
 WINDOWS_WITHIN = 0.95  # of the judged windows within target
@@ -72,13 +78,20 @@ def goals(res: SloResults) -> list[Verdict]:
         judged > 0 and within >= WINDOWS_WITHIN * judged - 1e-9,
         f"{within} of {judged}" + (f" ({within / judged:.0%})" if judged else ""),
     ))  # fmt: skip
-    rec = target.recovery_s
-    out.append(Verdict(
-        f"after the slowdown, back within target in <= {RECOVERY_GOAL_S:g} s",
-        rec is not None and rec <= RECOVERY_GOAL_S,
-        "not within the slowdown" if rec is None else f"{rec:.1f} s",
-    ))  # fmt: skip
+    out.append(recovery_verdict(target))
     return out
+
+
+def recovery_verdict(m: ModeResult) -> Verdict:
+    """Back within target <= :data:`RECOVERY_GOAL_S` after the slowdown began: met only if
+    the TTFT p99 left the target and came back in time; not tested if it never left."""
+    rec = m.recovery_s
+    name = f"after the slowdown, back within target in <= {RECOVERY_GOAL_S:g} s"
+    if rec == NOT_LEFT:
+        return Verdict(name, None, "the TTFT p99 never left the target: nothing to recover")
+    if rec is None or isinstance(rec, str):
+        return Verdict(name, False, recovery_text(rec))
+    return Verdict(name, rec <= RECOVERY_GOAL_S, recovery_text(rec))
 
 
 def _phase_table(res: SloResults) -> str:
@@ -108,6 +121,8 @@ def _window_table(m: ModeResult, target_ms: float) -> str:
     for w in m.windows:
         limit = ", ".join(f"{k} {v:.2f}" for k, v in w.limit.items()) or "—"
         mark = ("yes" if w.within(target_ms) else "**no**") if w.judged else "(settling)"
+        if w.judged and not w.admitted:
+            mark = "**no** (none admitted)"
         slow = " slow" if w.slowed else ""
         rows.append(
             f"| {w.start:g}{slow} | {w.phase + 1} | {fmt_ms(w.ttft_p99_ms)} | {mark} | {limit} | "
@@ -220,7 +235,10 @@ seconds would drown the rest; error = source minus clients):
 {sources_table(res)}
 
 Time back within target after the slowdown began (the first {WINDOW:g}-s window, sliding by \
-0.5 s, from which every window up to the slowdown's end has its TTFT p99 within target):
+0.5 s, from which every window up to the slowdown's end has its TTFT p99 within target; a \
+window that admitted nothing is out of target). "not left": no such window was out of \
+target, so there was nothing to recover from and no time is given; the recovery goal is then \
+"not tested", never "met":
 
 {recovery}
 
@@ -243,9 +261,7 @@ def _how_slowed(cfg: Config) -> str:
 def _recovered(m: ModeResult) -> str:
     before, during = m.slow_worker_ttft_p50_ms
     effect = f" (the slowed worker's TTFT p50: {fmt_ms(before)} ms before, {fmt_ms(during)} during)"
-    if m.recovery_s is None:
-        return "not back within target during the slowdown" + effect
-    return f"{m.recovery_s:.1f} s" + effect
+    return recovery_text(m.recovery_s) + effect
 
 
 def file_prefix(cfg: Config) -> str:

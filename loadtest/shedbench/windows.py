@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
 
 from loadtest.shedbench.classes import OVERLOAD_STATUSES
 from loadtest.shedbench.client import Outcome
@@ -14,6 +15,22 @@ from loadtest.shedbench.stats import percentile
 WINDOW = 5.0  # seconds per point of the series
 SETTLE = 10.0  # the first seconds of a phase are not judged against the target
 RECOVERY_STEP = 0.5  # resolution of the time back within target
+
+NOT_LEFT: Final = "not left"
+# Seconds back within target; NOT_LEFT when no window of the slowdown was out of target
+# (there was nothing to recover from); None when it was not back before the slowdown ended.
+RecoveryTime: TypeAlias = float | Literal["not left"] | None
+
+
+def recovery_text(value: RecoveryTime) -> str:
+    """How a report says a :data:`RecoveryTime`: never a time where none was measured."""
+    if value is None:
+        return "not back within target during the slowdown"
+    if value == NOT_LEFT:
+        return "not left: the TTFT p99 stayed within target through the slowdown"
+    if isinstance(value, str):
+        raise ValueError(f"recovery: {value!r} is neither seconds, {NOT_LEFT!r} nor None")
+    return f"{value:.1f} s"
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,15 @@ class Window:
     judged: bool  # at least SETTLE seconds into its phase
 
     def within(self, target_ms: float) -> bool:
-        return not math.isnan(self.ttft_p99_ms) and self.ttft_p99_ms <= target_ms
+        """The TTFT p99 of what it admitted was within target; a window that admitted
+        nothing is a miss (shedding everything holds no target)."""
+        return within_target(self.admitted, self.ttft_p99_ms, target_ms)
+
+
+def within_target(admitted: int, ttft_p99_ms: float, target_ms: float) -> bool:
+    """A window with ``admitted`` attempts and this TTFT p99 is within ``target_ms``: at
+    least one attempt admitted, and the p99 at most the target."""
+    return admitted > 0 and not math.isnan(ttft_p99_ms) and ttft_p99_ms <= target_ms
 
 
 @dataclass
@@ -79,7 +104,7 @@ class ModeResult:
     phases: list[PhaseStats]
     windows: list[Window]
     slowed: tuple[float, float]
-    recovery_s: float | None  # None: not within target again before the slowdown ended
+    recovery_s: RecoveryTime  # see :func:`recovery`
     attempts_rps_max: float
     errors: int
     # The slowed worker's TTFT p50 (ms) of attempts sent before and during the slowdown.
@@ -179,11 +204,12 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
 
 def recovery(
     admitted: list[Outcome], slowed: tuple[float, float], target_ms: float
-) -> float | None:
+) -> RecoveryTime:
     """Seconds from the start of the slowdown until the TTFT p99 of the admitted attempts
     sent in a sliding :data:`WINDOW` stays within target, every :data:`RECOVERY_STEP`, up
-    to the last window that ends before the slowdown does; 0 if it never left the target,
-    None if it did not come back before the slowdown ended."""
+    to the last window that ends before the slowdown does. A window that admitted nothing
+    is out of target. :data:`NOT_LEFT` if no window was out of target; None if the p99
+    was not back within target by the last window (or the slowdown is shorter than one)."""
     began, ended = slowed
     if ended <= began:
         return None
@@ -191,9 +217,11 @@ def recovery(
     within = []
     for k in range(max(0, steps)):
         at = began + k * RECOVERY_STEP
-        p99 = _p99_ms([a for a in admitted if at <= a.arrival < at + WINDOW])
-        within.append(math.isnan(p99) or p99 <= target_ms)
+        mine = [a for a in admitted if at <= a.arrival < at + WINDOW]
+        within.append(within_target(len(mine), _p99_ms(mine), target_ms))
     if not within or not within[-1]:
         return None
-    last_miss = max((k for k, ok in enumerate(within) if not ok), default=-1)
+    if all(within):
+        return NOT_LEFT
+    last_miss = max(k for k, ok in enumerate(within) if not ok)
     return (last_miss + 1) * RECOVERY_STEP

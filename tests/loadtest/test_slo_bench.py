@@ -23,7 +23,7 @@ import pytest
 from extproc.devstack import PYTHON, ROOT
 from loadtest.shedbench.client import Outcome
 from loadtest.shedbench.ttft_sources import histogram_quantile
-from loadtest.shedbench.windows import recovery
+from loadtest.shedbench.windows import NOT_LEFT, recovery
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
@@ -165,7 +165,7 @@ def _answers(ttft_ms: list[float], every: float = 0.5) -> list[Outcome]:
 @pytest.mark.parametrize(
     ("ttft_ms", "expected"),
     [
-        ([50] * 40, 0.0),  # never above the target
+        ([50] * 40, NOT_LEFT),  # never above the target: no recovery time
         ([300] * 6 + [50] * 34, 3.0),  # the first window without a miss starts at 3 s
         ([50] * 20 + [300] + [50] * 19, 10.5),  # a late miss: within again after it
         ([300] * 40, None),  # never within
@@ -173,7 +173,7 @@ def _answers(ttft_ms: list[float], every: float = 0.5) -> list[Outcome]:
     ],
 )
 def test_recovery_is_the_start_of_the_first_window_that_stays_within_target(
-    ttft_ms: list[float], expected: float | None
+    ttft_ms: list[float], expected: object
 ) -> None:
     # The slowdown from 0 to 20 s; windows of 5 s every 0.5 s: the last starts at 15 s.
     assert recovery(_answers(ttft_ms), (0.0, 20.0), 100.0) == expected
