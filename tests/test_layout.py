@@ -46,6 +46,7 @@ CORE_BELOW_POOL = {
     "extproc.core.endpoint",
     "extproc.core.loopback",
     "extproc.core.replica",
+    "extproc.core.worker",
 }
 CORE_FORBIDDEN = ("asyncio", "socket", "grpc", "google", "envoy", "zmq", "aiozmq", "aiohttp")
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, RankLimits
 from extproc.core.latency import LatencyControl
-from extproc.core.pool import Rank, Worker, WorkerPool
+from extproc.core.pool import WorkerPool
+from extproc.core.worker import Rank, Worker
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
 
 STALE_LOAD_SECONDS = 5.0  # at most; half the worker TTL when that is shorter

@@ -44,7 +44,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
-from extproc.core.pool import Ticket, Worker, WorkerPool
+from extproc.core.pool import WorkerPool
+from extproc.core.worker import Ticket, Worker
 
 # Samples older than this are forgotten; with MIN_SAMPLES, a worker needs about 2 requests
 # per second for the controller to cut, below that load its limit is not what binds.

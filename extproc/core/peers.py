@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from extproc.core.pool import Rank, Worker, WorkerPool
+from extproc.core.pool import WorkerPool
+from extproc.core.worker import Rank, Worker
 
 # (worker_id, dp_rank, in flight, blocks, prefill tokens), as on the wire.
 EstimateEntry = tuple[str, int, int, int, int]

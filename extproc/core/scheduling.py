@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, overload
 
-from extproc.core.pool import Rank, Ticket, Worker, WorkerPool
+from extproc.core.pool import WorkerPool
 from extproc.core.subset import GatewayWorkers
+from extproc.core.worker import Rank, Ticket, Worker
 
 # Other free workers listed after the pick, for Envoy to retry a worker-side rejection on.
 MAX_FALLBACKS = 2

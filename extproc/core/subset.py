@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.core.busy import BusyThresholds, Share
-from extproc.core.pool import Rank, Worker, WorkerPool
+from extproc.core.pool import WorkerPool
+from extproc.core.worker import Rank, Worker
 
 # Workers known only from the gateway, kept for their router estimates; past this many,
 # the ones with nothing in flight are forgotten.

@@ -37,8 +37,9 @@ from extproc.core.latency import (
     control_step,
     p99,
 )
-from extproc.core.pool import Ticket, WorkerPool
+from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Routed, Scheduler
+from extproc.core.worker import Ticket
 
 PROMPT = 100
 CEILING = 4000  # prefill tokens: 41 requests of PROMPT at once without a target

@@ -9,8 +9,9 @@ import pytest
 
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, Ticket, WorkerPool
+from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
 from extproc.core.scheduling import Outcome, Routed, Scheduler
+from extproc.core.worker import Ticket
 
 
 class Clock:

@@ -16,8 +16,9 @@ from prometheus_client import generate_latest
 
 from extproc.admin.diagnostics import worker_view
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import Ticket, WorkerPool
+from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
+from extproc.core.worker import Ticket
 from extproc.handlers.processor import (
     REQUEST_NAMESPACE,
     ExtProcHandler,

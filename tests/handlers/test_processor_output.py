@@ -14,8 +14,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.admin.diagnostics import UNOBSERVED_WARNING_SECONDS, workers_view
 from extproc.core.busy import BusyThresholds
-from extproc.core.pool import Rank, WorkerPool
+from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Scheduler
+from extproc.core.worker import Rank
 from extproc.handlers.processor import ExtProcHandler, ObserverSession, RequestSession
 from extproc.metrics.registry import Metrics
 from tests.handlers.test_processor import (
