@@ -15,8 +15,7 @@ Two steps, both free of I/O so they are tested with plain strings:
   0-1, or text without the engine's core gauges also raise
   :class:`MetricsParseError`. ``NaN`` reads as "not reported".
 
-Which series feed which field is listed in the module docstring of
-:mod:`llmworker.agent`.
+Which series feed which event field is listed in docs/worker.md (the mapping tables).
 """
 
 from __future__ import annotations

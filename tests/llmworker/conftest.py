@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from llmworker.sim import SimWorker, parse_args
+from llmworker.sim import SimWorker
+from llmworker.sim_settings import parse_args
 from tests.llmworker.support import StartSim
 
 

@@ -22,7 +22,8 @@ from yarl import URL
 from extproc.devstack import AgentProcess, SimProcess, free_port
 from extproc.devstack import async_wait_until as wait_until
 from extproc.events.schema import ByeEvent, ConfigEvent, LoadEvent
-from llmworker.agent import Agent, AgentSettings, RankLoad, parse_args, worker_view
+from llmworker.agent import Agent, RankLoad, worker_view
+from llmworker.agent_settings import AgentSettings, parse_args
 from llmworker.engine_metrics import (
     Engine,
     EngineSnapshot,

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from llmworker import agent, sim
-from llmworker.agent import AgentFlags
+from llmworker import agent_settings, sim_settings
+from llmworker.agent_settings import AgentFlags
 from llmworker.settings import SettingsError, WorkerSettings
-from llmworker.sim import SimFlags
+from llmworker.sim_settings import SimFlags
 
 AGENT = {
     "engine": "vllm",
@@ -126,7 +126,10 @@ def test_a_flag_wins_over_its_variable_and_only_declared_variables_are_read() ->
 
 
 def test_every_flag_is_in_help_with_its_variable() -> None:
-    for model, parser in ((SimFlags, sim.build_parser()), (AgentFlags, agent.build_parser())):
+    for model, parser in (
+        (SimFlags, sim_settings.build_parser()),
+        (AgentFlags, agent_settings.build_parser()),
+    ):
         text = parser.format_help()
         for row in model.rows().values():
             if row["flag"]:
@@ -148,6 +151,6 @@ def test_sim_exits_2_naming_the_setting(
     argv: list[str], env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        sim.parse_args(argv, env)
+        sim_settings.parse_args(argv, env)
     assert exited.value.code == 2
     assert named in capsys.readouterr().err

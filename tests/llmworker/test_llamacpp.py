@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from llmworker.agent import AgentSettings, RankLoad, parse_args, worker_view
+from llmworker.agent import RankLoad, worker_view
+from llmworker.agent_settings import AgentSettings, parse_args
 from llmworker.engine_metrics import EngineSnapshot, MetricsParseError, RankStats
 from llmworker.llamacpp import Slot, mean_prompt, missing_flag, parse_llamacpp, parse_slots
 

@@ -14,7 +14,7 @@ import pytest
 
 from llmworker.engine import EngineConfig, EngineCore
 from llmworker.profiles import LLAMACPP_CPU, PROFILES, profile_config
-from llmworker.sim import parse_args
+from llmworker.sim_settings import parse_args
 
 PROMPT = 155  # tokens of the comparison's prompt with SmolLM2's chat template
 OUTPUT = 48
