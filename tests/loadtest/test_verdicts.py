@@ -23,6 +23,7 @@ from loadtest.shedbench.report import (
     Results,
     recovery_markdown,
     recovery_verdict,
+    rejections_ordered,
 )
 from loadtest.shedbench.slo_report import SloResults, goals
 from loadtest.shedbench.slo_report import markdown as slo_markdown
@@ -228,3 +229,23 @@ def test_the_recovery_table_says_not_left_where_nothing_was_shed() -> None:
     assert "median of 1 rounds, first admitted 0.40 s, 95 % admitted 0.65 s" in md
     (verdict,) = [line for line in md.splitlines() if line.startswith("- after 3x")]
     assert verdict.endswith(": met") and "1 of 2 rounds not shedding at their end" in verdict
+
+
+# --- classes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        ([0.0, 0.2, 0.8], True),
+        ([0.54, 0.997, 1.0], True),
+        ([0.3, 0.2, 0.8], False),
+        ([1.0, 1.0, 1.0], False),  # everything shed: ordered, and proves nothing
+        ([0.0, math.nan, 0.5], False),  # a class without attempts
+        ([], False),
+    ],
+)
+def test_the_rejection_order_is_not_met_by_shedding_everything(
+    rates: list[float], expected: bool
+) -> None:
+    assert rejections_ordered(rates) is expected
