@@ -15,8 +15,12 @@ An engine integrator needs three calls::
     )
     async with EventPublisher("tcp://extproc:5557", config) as publisher:
         ...
-        # whenever the engine's KV or prefill queue changes (cheap, never blocks):
-        publisher.update_load(0, active_decode_blocks=812, active_prefill_tokens=300)
+        # whenever the engine's KV or prefill queue changes (cheap, never blocks); the
+        # queue and slot counts are optional (3 waiting, 8 of at most 8 sequences running):
+        publisher.update_load(
+            0, active_decode_blocks=812, active_prefill_tokens=300,
+            num_requests_waiting=3, request_active_slots=8, request_total_slots=8,
+        )
         # a runtime config change is announced at once:
         publisher.update_config(kv_total_blocks=8192)
     # leaving the block sends ``bye``
@@ -75,6 +79,9 @@ class _RankLoad:
     active_decode_blocks: int | None
     active_prefill_tokens: int | None
     kv_total_blocks: int | None
+    num_requests_waiting: int | None = None
+    request_active_slots: int | None = None
+    request_total_slots: int | None = None
 
 
 class _SocketEvents(aiozmq.ZmqProtocol):
@@ -269,13 +276,25 @@ class EventPublisher:
         active_decode_blocks: int | None = None,
         active_prefill_tokens: int | None = None,
         kv_total_blocks: int | None = None,
+        num_requests_waiting: int | None = None,
+        request_active_slots: int | None = None,
+        request_total_slots: int | None = None,
     ) -> None:
         """Record rank ``dp_rank``'s current load; a change is sent after the debounce.
 
         ``None`` means "not reported". Never blocks and never raises for load values;
-        call it as often as the engine likes.
+        call it as often as the engine likes. The last three are the engine's queue and
+        sequence slots on the rank: requests waiting at the engine, sequences running, and
+        the most sequences it runs at once (0 = unknown).
         """
-        load = _RankLoad(active_decode_blocks, active_prefill_tokens, kv_total_blocks)
+        load = _RankLoad(
+            active_decode_blocks,
+            active_prefill_tokens,
+            kv_total_blocks,
+            num_requests_waiting,
+            request_active_slots,
+            request_total_slots,
+        )
         if self._loads.get(dp_rank) == load:
             return
         self._loads[dp_rank] = load
@@ -353,6 +372,9 @@ class EventPublisher:
                 active_prefill_tokens=load.active_prefill_tokens,
                 kv_total_blocks=load.kv_total_blocks,
                 seq=self.seq,
+                num_requests_waiting=load.num_requests_waiting,
+                request_active_slots=load.request_active_slots,
+                request_total_slots=load.request_total_slots,
                 ttft_seconds=sorted(ttft.items())[:TTFT_BUCKETS_MAX] if ttft else None,
             )
         )

@@ -74,6 +74,12 @@ class LoadEvent(msgspec.Struct, kw_only=True, frozen=True):
     active_prefill_tokens: NonNegInt | None = None
     kv_total_blocks: NonNegInt | None = None
     seq: int | None = None
+    # The engine's queue and sequence slots on this rank (Dynamo's WorkerStats names): requests
+    # queued at the engine, not yet running; sequences running; the most sequences the rank runs
+    # at once (0 = unknown). For deadline admission and diagnostics, never for the busy rules.
+    num_requests_waiting: NonNegInt | None = None
+    request_active_slots: NonNegInt | None = None
+    request_total_slots: NonNegInt | None = None
     ttft_seconds: Annotated[list[TtftBucket], msgspec.Meta(max_length=TTFT_BUCKETS_MAX)] | None = (
         None
     )

@@ -86,6 +86,9 @@ load_msg = st.fixed_dictionaries(
         "active_prefill_tokens": st.integers(0, 10_000),
         "kv_total_blocks": st.integers(0, 2000),
         "seq": st.integers(-5, 50),
+        "num_requests_waiting": st.integers(0, 100),
+        "request_active_slots": st.integers(0, 256),
+        "request_total_slots": st.integers(0, 256),
     },
 )
 bye_msg = st.fixed_dictionaries({"v": st.just(1), "worker_id": st.sampled_from(WORKER_IDS[:3])})
@@ -141,7 +144,11 @@ def frames(draw: st.DrawFn) -> list[bytes]:
         body = dict(body)
         key = draw(
             st.sampled_from(
-                [*body, "v", "endpoint", "dp_size", "dp_rank", "seq", "kv_total_blocks", "x"]
+                [
+                    *body,
+                    *("v", "endpoint", "dp_size", "dp_rank", "seq", "kv_total_blocks", "x"),
+                    *("num_requests_waiting", "request_active_slots", "request_total_slots"),
+                ]
             )
         )
         if draw(st.booleans()) and key in body:
@@ -298,6 +305,11 @@ FIXED: list[list[bytes]] = [
     [b"hello", _encode(_CFG, False)],
     [b"load", b"\xc1"],
     [b"load", _encode({"worker_id": "a", "active_decode_blocks": True}, True)],
+    [
+        b"load",
+        _encode({"worker_id": "a", "active_decode_blocks": 5, "num_requests_waiting": -1}, False),
+    ],
+    [b"load", _encode({"worker_id": "a", "request_total_slots": 60.0}, True)],
     [b"load", _encode({"worker_id": "a", "dp_rank": 3, "active_decode_blocks": 1}, False)],
     [b"config", _encode({**_CFG, "v": 2}, False)],
     [b"config", _encode({**_CFG, "endpoint": "h:0"}, False)],

@@ -57,6 +57,45 @@ async def test_config_first_then_loads_with_increasing_seq(sub: Subscriber) -> N
         assert pub.seq == 3
 
 
+async def test_queue_and_slot_counts_go_out_with_the_load_and_a_change_in_them_is_sent(
+    sub: Subscriber,
+) -> None:
+    async with EventPublisher(sub.endpoint, CONFIG, heartbeat=30) as pub:
+        await sub.next_of(ConfigEvent)
+        pub.update_load(
+            0,
+            active_decode_blocks=4,
+            num_requests_waiting=2,
+            request_active_slots=8,
+            request_total_slots=8,
+        )
+        first = await sub.next_of(LoadEvent)
+        assert first == LoadEvent(
+            worker_id="w-1",
+            dp_rank=0,
+            active_decode_blocks=4,
+            num_requests_waiting=2,
+            request_active_slots=8,
+            request_total_slots=8,
+            seq=first.seq,
+        )
+        # Only the waiting count changes: that alone is a new load message.
+        pub.update_load(
+            0,
+            active_decode_blocks=4,
+            num_requests_waiting=0,
+            request_active_slots=8,
+            request_total_slots=8,
+        )
+        second = await sub.next_of(LoadEvent)
+        assert (second.num_requests_waiting, second.request_active_slots) == (0, 8)
+        assert second.seq == (first.seq or 0) + 1
+        # Left out: not reported.
+        pub.update_load(0, active_decode_blocks=4)
+        third = await sub.next_of(LoadEvent)
+        assert (third.num_requests_waiting, third.request_total_slots) == (None, None)
+
+
 async def test_heartbeat_resends_config_and_every_rank(sub: Subscriber) -> None:
     async with EventPublisher(sub.endpoint, CONFIG, heartbeat=0.15) as pub:
         pub.update_load(0, active_decode_blocks=5)

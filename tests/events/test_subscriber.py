@@ -54,6 +54,17 @@ def mp(obj: Any) -> bytes:
         (b"load", mp({"v": 1, "worker_id": "w", "seq": 1.5}), "bad_schema"),
         (b"load", mp({"v": 1, "worker_id": "w", "dp_rank": -1}), "bad_schema"),
         (b"load", mp([1, 2]), "bad_schema"),
+        *(
+            (
+                b"load",
+                mp({"v": 1, "worker_id": "w", "active_decode_blocks": 3, key: bad}),
+                "bad_schema",
+            )
+            for key in ("num_requests_waiting", "request_active_slots", "request_total_slots")
+            for bad in (True, False, 60.0, -1, "4", [4])
+        ),
+        (b"load", b'{"worker_id": "w", "num_requests_waiting": 60.0}', "bad_schema"),
+        (b"load", b'{"worker_id": "w", "request_total_slots": true}', "bad_schema"),
         (b"load", b"\xc1\xc1", "bad_encoding"),
         (b"load", b"{not json", "bad_encoding"),
         (b"load", b"", "bad_encoding"),
@@ -77,10 +88,48 @@ def test_valid_messages_msgpack_and_json() -> None:
     assert isinstance(decode(b"bye", b'{"v":1,"worker_id":"w"}'), ByeEvent)
 
 
+def test_queue_and_slot_fields_decode_and_default_to_not_reported() -> None:
+    fields = {"num_requests_waiting": 3, "request_active_slots": 8, "request_total_slots": 0}
+    for payload in (
+        mp({"v": 1, "worker_id": "w", **fields}),
+        json.dumps({"worker_id": "w", **fields}).encode(),
+    ):
+        ev = decode(b"load", payload)
+        assert isinstance(ev, LoadEvent)
+        assert (ev.num_requests_waiting, ev.request_active_slots, ev.request_total_slots) == (
+            3,
+            8,
+            0,
+        )
+    bare = decode(b"load", mp({"v": 1, "worker_id": "w"}))
+    assert isinstance(bare, LoadEvent)
+    assert (bare.num_requests_waiting, bare.request_active_slots, bare.request_total_slots) == (
+        None,
+        None,
+        None,
+    )
+    big = decode(b"load", mp({"worker_id": "w", "request_total_slots": 2**63}))
+    assert isinstance(big, LoadEvent) and big.request_total_slots == 2**63
+
+
+def test_a_bad_queue_field_names_itself() -> None:
+    with pytest.raises(EventRejected) as exc:
+        decode(
+            b"load", mp({"worker_id": "w", "active_decode_blocks": 1, "request_active_slots": -2})
+        )
+    assert exc.value.reason == "bad_schema" and "request_active_slots" in exc.value.detail
+    with pytest.raises(EventRejected) as exc:
+        decode(b"load", json.dumps({"worker_id": "w", "num_requests_waiting": True}).encode())
+    assert "num_requests_waiting" in exc.value.detail
+
+
 def test_encode_round_trips() -> None:
     for ev in (
         ConfigEvent(worker_id="w", model="m", endpoint="h:1", kv_total_blocks=5, dp_size=2),
         LoadEvent(worker_id="w", dp_rank=1, active_decode_blocks=3, seq=9),
+        LoadEvent(
+            worker_id="w", num_requests_waiting=2, request_active_slots=4, request_total_slots=4
+        ),
         ByeEvent(worker_id="w"),
     ):
         assert decode(*encode(ev)) == ev
