@@ -25,6 +25,7 @@ from pydantic_settings import NoDecode
 from extproc.core.busy import MAX_TARGET_MS, MAX_TOKEN_THRESHOLD
 from extproc.core.classes import ClassConfigError, ClassTable, parse_table
 from extproc.core.loopback import is_loopback_host
+from extproc.handlers.body_budget import DEFAULT_BUDGET_MIB, MAX_BUDGET_MIB
 from extproc.openai.errors import (
     DEFAULT_OVERLOAD_STATUS,
     OVERLOAD_STATUS_ENV,
@@ -454,6 +455,20 @@ class Settings(SettingsTable):
         expected="a whole number 0-16",
         ge=0,
         le=16,
+    )
+    request_body_budget_mib: Whole = setting(
+        DEFAULT_BUDGET_MIB,
+        "--request-body-budget-mib",
+        "EXTPROC_REQUEST_BODY_BUDGET_MIB",
+        "listen",
+        "MiB: the most memory all FULL_DUPLEX_STREAMED request bodies being gathered before "
+        "their decision may hold together (a body is at most 32 MiB, and at most 7/8 of the "
+        "budget; the last 1/8 is kept for bodies of at most 256 KiB). A body that would "
+        f"pass it gets the overload reply at once. Default: {DEFAULT_BUDGET_MIB}",
+        metavar="MIB",
+        expected=f"a whole number of MiB in [1, {MAX_BUDGET_MIB}]",
+        ge=1,
+        le=MAX_BUDGET_MIB,
     )
     admin_host: str = setting(
         "127.0.0.1",

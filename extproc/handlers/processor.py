@@ -52,6 +52,7 @@ from extproc.core.scheduling import (
 )
 from extproc.core.worker import Ticket
 from extproc.handlers import replies
+from extproc.handlers.body_budget import DEFAULT_BUDGET_MIB, MIB, BodyBudget
 from extproc.handlers.output_tokens import sse_tokens, usage_tokens
 from extproc.handlers.router_queue import RouterQueue
 from extproc.handlers.subset_hint import SubsetHints
@@ -85,8 +86,11 @@ _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 _NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 # The largest request body gathered from a FULL_DUPLEX_STREAMED filter before deciding
-# (a BUFFERED filter has Envoy's own per_connection_buffer_limit_bytes).
+# (a BUFFERED filter has Envoy's own per_connection_buffer_limit_bytes); every stream's
+# gathered bytes also come out of one process-wide budget (BodyBudget).
 MAX_DUPLEX_BODY = 32 * 1024 * 1024
+# The reason header of the overload reply to a body refused for want of budget.
+BODY_BUDGET_REASON = "body_budget"
 # A reply now (one message, or several in order), or (first, rest): ``first`` now and the
 # awaited ``rest`` after it.
 Replies = bytes | list[bytes]
@@ -178,8 +182,12 @@ class ExtProcHandler:
         protocol: str = "envoy",
         latency: LatencyControl | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.pool = pool
+        # Bytes of full-duplex request bodies gathered before their decision, all streams.
+        self.body_budget = body_budget or BodyBudget(DEFAULT_BUDGET_MIB * MIB)
+        metrics.buffered_body_bytes.set_function(lambda: self.body_budget.used)
         self.latency = latency
         self.scheduler = scheduler
         self.metrics = metrics
@@ -257,6 +265,7 @@ class ExtProcHandler:
             return replies.CONTINUES.get(kind or "", replies.CONTINUE_RESPONSE_HEADERS)
 
     def _on_stream_end(self, st: _Stream) -> None:
+        self.body_budget.release(st)  # a body still being gathered (the client went away)
         if st.ticket is not None:
             if st.streaming and not (
                 st.output_source or st.observed or st.body_streamed or st.duplex_response
@@ -345,6 +354,16 @@ class ExtProcHandler:
         decides, the headers are answered once it is all in (nothing now); else as usual."""
         reply = self._on_request_headers(st, req)
         if reply is replies.SEND_BODY or reply is replies.SEND_BODY_STREAMED:
+            # A declared length is taken from the body budget now: refused before the
+            # client sends the body, or sure of its room.
+            for h in req.request_headers.headers.headers:
+                if h.key == "content-length":
+                    length = _header_value(h).strip()
+                    if length.isascii() and length.isdigit():
+                        refused = self._take_body(st, int(length))
+                        if refused is not None:
+                            return refused
+                    break
             st.duplex_body = bytearray()
             return None
         if reply is replies.PASSTHROUGH:
@@ -357,15 +376,33 @@ class ExtProcHandler:
         gathered = st.duplex_body
         if gathered is None:
             return replies.streamed_body("request_body", msg.body, msg.end_of_stream)
-        gathered += msg.body
-        if len(gathered) > MAX_DUPLEX_BODY:
+        refused = self._take_body(st, len(gathered) + len(msg.body))
+        if refused is not None:
             st.duplex_body = None
-            return self._bad_request(
-                f"Request body is larger than {MAX_DUPLEX_BODY} bytes; expected at most that"
-            )
+            return refused
+        gathered += msg.body
         if not msg.end_of_stream:
             return None
         return self._duplex_decide(st)
+
+    def _take_body(self, st: _Stream, size: int) -> bytes | None:
+        """Hold ``size`` bytes of the stream's body in the body budget: None once held;
+        else the stream's bytes are released and the local reply is returned, 400 for a
+        body larger than any may be, the overload reply while the bodies being gathered
+        hold the budget."""
+        budget = self.body_budget
+        largest = min(MAX_DUPLEX_BODY, budget.largest)
+        if size > largest:
+            budget.release(st)
+            self.metrics.body_rejected["too_large"].inc()
+            return self._bad_request(
+                f"Request body is larger than {largest} bytes; expected at most that"
+            )
+        if budget.take(st, size - budget.held(st)):
+            return None
+        budget.release(st)
+        self.metrics.body_rejected["budget"].inc()
+        return self.replies.overload(1, BODY_BUDGET_REASON, st.request_class)
 
     def _duplex_decide(self, st: _Stream, after: list[bytes] | None = None) -> Reply:
         """Decide on the gathered body. Routed: the headers reply (the destination), then
@@ -376,9 +413,18 @@ class ExtProcHandler:
         st.duplex_body = None
         reply = self._on_request_body(st, ep.HttpBody(body=body, end_of_stream=True))
         forward = [replies.streamed_body("request_body", body, after is None), *(after or ())]
+        budget = self.body_budget
         if isinstance(reply, tuple):
             first, rest = reply
-            return first, self._then_forward(st, rest, forward)
+
+            async def forwarded() -> Replies:
+                try:  # the body waits in the queue: held in the budget until it goes on
+                    return await self._then_forward(st, rest, forward)
+                finally:
+                    budget.release(st)
+
+            return first, forwarded()
+        budget.release(st)
         return self._with_forward(st, reply, forward)
 
     def _with_forward(self, st: _Stream, reply: Replies, forward: list[bytes]) -> Replies:

@@ -154,6 +154,22 @@ class Metrics:
             "(two with the output observer).",
             registry=r,
         )
+        self.buffered_body_bytes = Gauge(
+            "extproc_buffered_body_bytes",
+            "Bytes of FULL_DUPLEX_STREAMED request bodies held while they are gathered before "
+            "the decision, all streams (at most --request-body-budget-mib).",
+            registry=r,
+        )
+        self.body_rejections = Counter(
+            "extproc_request_body_rejections",
+            "Full-duplex request bodies refused before the decision, by reason: budget (the "
+            "overload reply: the bodies being gathered hold the budget) or too_large (400).",
+            ["reason"],
+            registry=r,
+        )
+        self.body_rejected = _Children(self.body_rejections)
+        for reason in ("budget", "too_large"):
+            self.body_rejected[reason]
         self.outcome = _Children(self.decisions)
         self.topic = _Children(self.events)
         self.dropped = _Children(self.events_dropped)
