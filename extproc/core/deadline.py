@@ -1,0 +1,585 @@
+"""Deadline admission: predict each request's time to first token per worker, then dispatch,
+hold or reject it against a TTFT target.
+
+The prediction, for a prompt of ``p`` tokens on worker ``w`` with ``h`` requests held in the
+router ahead of it::
+
+    ttft    = wait + prefill + gateway
+    wait    = 0                              when occupancy + h < slots (a slot is free for it)
+            = (occupancy + h - slots + 1) / rate        otherwise
+    prefill = overhead + cost x (p + pending)
+    rate    = slots / service
+
+- ``occupancy``: the requests the worker holds now: the router's own in flight to it
+  (dispatched, not ended: exact and immediate), plus what the engine's last load report
+  counts beyond them (``request_active_slots + num_requests_waiting`` minus the router's in
+  flight when that report came: requests of other clients). Past ``slots`` they wait at the
+  engine or in the network; with the ``h`` held requests, ``occupancy + h - slots`` requests
+  are ahead of it in line, and it starts at the completion after theirs.
+- ``slots``: ``request_total_slots`` when the engine reports it. A worker that reports no
+  slots and no waiting count is predicted from the gateway's timings alone (``gateway_only``):
+  its slots are the smallest occupancy at which a request the router sent to a presumed free
+  slot was seen queueing (its first byte came later than ``QUEUE_FACTOR`` x its predicted
+  prefill + ``QUEUE_MARGIN``); a request that starts at once past that raises it by one,
+  and every ``PROBE_EVERY`` seconds one request may go past it to find out. Before any
+  request queued, such a worker is never full, as the busy rule alone would have it.
+- ``service``: mean time a request holds a slot: its decode (first body byte to stream end,
+  measured) plus its prefill (the fit below), an average of about the last
+  ``EWMA_SAMPLES`` requests. ``slots / service`` is the rate at which a full worker
+  completes requests. Taken on every request, not only while the worker is full, so the
+  first overload is predicted from the load before it; an engine whose decode slows as it
+  runs more sequences is followed as its recent requests slow down.
+- ``overhead`` and ``cost``: a recursive least-squares fit (forgetting ``FORGET`` a sample,
+  about the last 100) of ``dispatch to first body byte = overhead + cost x tokens``, on the
+  requests that started on a free slot (the others include a wait). ``tokens`` is the
+  request's prompt plus ``pending``: the prompt tokens of the requests already started on
+  that worker and not yet at their first token, which the engine prefills in the same
+  batches before or with it. A sample's residual is clipped to ``CLIP`` times the mean
+  absolute residual, so one stall does not throw the fit; the overhead and cost stay >= 0.
+- ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
+  held), averaged like ``service``; it is part of what the client waits and no worker
+  shortens it.
+
+Missing inputs are named in :attr:`WorkerEstimate.missing`. A worker with no data yet is
+routable: with no slot count it is never full; with slots but no completed request yet (no
+``rate``) it takes requests while a slot is free, and once full its wait is unknown, so it
+holds nobody and a request that finds it full is rejected as with the thresholds (Retry-After
+1 s), until its first completion. Its prefill is taken as 0 until a free-slot request is
+measured. "Target unreachable": a target below what an idle worker measures for the
+request (``prefill + gateway``, no wait) can never be met on that worker.
+
+The engine's own TTFT histogram (when it reports one) includes its queue, so it is not a
+prefill measurement; it is kept for diagnostics beside the prediction.
+
+The decision (:func:`decide`): among the workers that can start the request now, the one with
+the smallest predicted TTFT within the target gets it (a slot never sits idle while a request
+that fits waits); otherwise, if the smallest prediction of all fits, it is held in the router
+until a slot frees (earliest deadline first, ``core/held.py``); otherwise it is rejected at
+once, with Retry-After from the predicted wait.
+
+Pure: plain values, times passed in, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+TOKENS_UNIT = 1000.0  # the prefill fit's cost is per this many tokens (a conditioned matrix)
+EWMA_SAMPLES = 32  # service time and gateway delay: about the last 32 requests
+FORGET = 0.99  # the prefill fit's forgetting factor: about the last 100 requests
+FIT_PRIOR = 1.0  # the prefill fit's initial uncertainty (s^2): a second either way
+FIT_TRACE_MAX = 10.0  # bounds the fit's uncertainty when all prompts are alike (no windup)
+CLIP = 4.0  # a prefill sample's residual is clipped at this many mean absolute residuals
+CLIP_FLOOR = 0.002  # s: the smallest clip, so a perfect fit still learns a change
+MIN_FIT_SAMPLES = 4  # before this many free-slot requests the prefill is not trusted
+QUEUE_FACTOR = 2.0  # a first byte later than this x the predicted prefill ...
+QUEUE_MARGIN = 0.05  # ... + this (s) means the request waited for a slot
+PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request past its slots
+# A prediction's spread, which admission judges a request on (its TTFT a p99 target): the
+# wait for n completions at a rate is about Gamma(n, rate), whose 90th percentile is
+# near (n + WAIT_Z x sqrt(n)) / rate; the prefill is off by PREFILL_MARGIN mean absolute
+# residuals of the fit at most, mostly. Measured on the plant of tests/core/plant.py: with
+# both, a held request reaches its slot in time (not a late rejection) 9 times in 10.
+WAIT_Z = 1.28
+PREFILL_MARGIN = 2.0
+MAX_RETRY_AFTER = 60
+
+# Names of the inputs, as /debug/workers lists the missing ones.
+WAITING = "num_requests_waiting"
+ACTIVE = "request_active_slots"
+TOTAL = "request_total_slots"
+ENGINE_TTFT = "engine_ttft"
+COMPLETIONS = "completions"  # no request ended yet: no rate
+PREFILL = "prefill"  # fewer than MIN_FIT_SAMPLES free-slot requests
+GATEWAY = "gateway_delay"  # no arrival time given with a dispatch
+
+
+class Ewma:
+    """A mean of about the last ``samples`` values; the plain mean until it has that many,
+    so the first values are not pulled toward a made-up start."""
+
+    __slots__ = ("count", "samples", "value")
+
+    def __init__(self, samples: int = EWMA_SAMPLES) -> None:
+        self.samples = samples
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) / min(self.count, self.samples)
+
+    def get(self) -> float | None:
+        return self.value if self.count else None
+
+
+class PrefillFit:
+    """``seconds = overhead + cost x tokens`` by recursive least squares with forgetting,
+    residuals clipped (the module's rule)."""
+
+    __slots__ = ("abs_residual", "cost", "count", "overhead", "p")
+
+    def __init__(self) -> None:
+        self.overhead = 0.0
+        self.cost = 0.0  # seconds per TOKENS_UNIT tokens
+        self.p = [[FIT_PRIOR, 0.0], [0.0, FIT_PRIOR]]
+        self.abs_residual = Ewma()
+        self.count = 0
+
+    def predict(self, tokens: float) -> float:
+        return self.overhead + self.cost * tokens / TOKENS_UNIT
+
+    def add(self, tokens: float, seconds: float) -> None:
+        x = (1.0, tokens / TOKENS_UNIT)
+        p = self.p
+        err = seconds - self.predict(tokens)
+        scale = self.abs_residual.get()
+        if self.count >= MIN_FIT_SAMPLES and scale is not None:
+            bound = max(CLIP * scale, CLIP_FLOOR)
+            err = max(-bound, min(bound, err))
+        self.abs_residual.add(abs(err))
+        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
+        denom = FORGET + x[0] * px[0] + x[1] * px[1]
+        k = (px[0] / denom, px[1] / denom)
+        self.overhead = max(0.0, self.overhead + k[0] * err)
+        self.cost = max(0.0, self.cost + k[1] * err)
+        new = [[(p[i][j] - k[i] * px[j]) / FORGET for j in range(2)] for i in range(2)]
+        trace = new[0][0] + new[1][1]
+        if trace > FIT_TRACE_MAX:
+            new = [[v * FIT_TRACE_MAX / trace for v in row] for row in new]
+        self.p = new
+        self.count += 1
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request the router sent to this worker, until its stream ends."""
+
+    prompt_tokens: int
+    dispatched: float
+    occupancy: int  # the worker's occupancy when it was sent, not counting it
+    free: bool  # a slot was free for it when it was sent
+    pending: int  # prompt tokens started before it and not yet at their first token
+    expected: float  # its prefill as predicted when it was sent
+    first_byte: float | None = None
+
+
+class WorkerEstimate:
+    """What one worker is measured to do, updated online from plain values (the module's
+    rule). Requests are named by an opaque ``key`` from dispatch to stream end."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self.flights: dict[Hashable, _Flight] = {}
+        self.streaming = 0  # in flight and past their first byte
+        self.fit = PrefillFit()
+        self.service = Ewma()
+        self.gateway = Ewma()
+        self.decode_per_token = Ewma()  # s per output token, for diagnostics
+        self.prompt_tokens = Ewma()  # the typical prompt, for diagnostics
+        self.engine_ttft_s = Ewma()
+        # The engine's last load report; None = not reported.
+        self.waiting: int | None = None
+        self.active: int | None = None
+        self.total_slots: int | None = None  # 0 counts as not reported
+        self.reported = False  # any load report at all
+        self.extra = 0  # requests the engine counted beyond the router's own
+        # Gateway-only slots: the occupancy at which a request was seen queueing.
+        self.slots_guess: int | None = None
+        self.guessed_at = -math.inf
+
+    # ----- measurements ---------------------------------------------------------------
+
+    def dispatched(
+        self,
+        key: Hashable,
+        prompt_tokens: int,
+        now: float,
+        arrived: float | None = None,
+        held: float = 0.0,
+    ) -> None:
+        """The router sent request ``key`` here at ``now``; ``arrived``: when it reached the
+        router, ``held`` of that spent held for a slot (the rest is the gateway's delay)."""
+        if key in self.flights:
+            raise ValueError(f"request {key!r} is already in flight on {self.worker}")
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens: {prompt_tokens} is negative; expected >= 0")
+        occupancy = self.occupancy()
+        slots = self.slots(now)
+        free = slots is None or occupancy < slots
+        if self.slots_guess is not None and occupancy >= self.slots_guess:
+            self.guessed_at = now  # this one probes past the guess: the next in PROBE_EVERY
+        pending = self.pending_tokens(now) if free else 0
+        self.flights[key] = _Flight(
+            prompt_tokens,
+            now,
+            occupancy,
+            free,
+            pending,
+            self.fit.predict(prompt_tokens + pending),
+        )
+        self.prompt_tokens.add(prompt_tokens)
+        if arrived is not None:
+            self.gateway.add(max(0.0, now - arrived - held))
+
+    def first_byte(self, key: Hashable, now: float) -> None:
+        """The first body byte of ``key``'s response reached the router (its first token)."""
+        f = self.flights.get(key)
+        if f is None or f.first_byte is not None:
+            return
+        f.first_byte = now
+        self.streaming += 1
+        gateway_only = self.gateway_only
+        if gateway_only and self.slots_guess is not None and self.streaming > self.slots_guess:
+            self.slots_guess = self.streaming  # seen running at once: at least that many
+        if not f.free:
+            return
+        elapsed = now - f.dispatched
+        queued = (
+            self.fit.count >= MIN_FIT_SAMPLES and elapsed > QUEUE_FACTOR * f.expected + QUEUE_MARGIN
+        )
+        if queued:
+            if gateway_only:  # sent to a presumed free slot, it waited: no more than that
+                guess = f.occupancy if self.slots_guess is None else self.slots_guess
+                self.slots_guess = max(1, min(guess, f.occupancy))
+                self.guessed_at = now
+            return
+        self.fit.add(f.prompt_tokens + f.pending, elapsed)
+
+    def ended(self, key: Hashable, now: float, output_tokens: int | None = None) -> None:
+        """``key``'s stream ended (or failed, or the client left) at ``now``."""
+        f = self.flights.pop(key, None)
+        if f is None:
+            return
+        if f.first_byte is None:
+            return  # never started generating: no service time to learn
+        self.streaming -= 1
+        decode = max(0.0, now - f.first_byte)
+        self.service.add(decode + self.fit.predict(f.prompt_tokens))
+        if output_tokens:
+            self.decode_per_token.add(decode / output_tokens)
+
+    def load(
+        self,
+        waiting: int | None = None,
+        active: int | None = None,
+        total: int | None = None,
+    ) -> None:
+        """A load report from the engine (each field None when not reported)."""
+        self.reported = True
+        self.waiting, self.active = waiting, active
+        self.total_slots = total or None
+        if waiting is None and active is None:
+            self.extra = 0
+        else:
+            self.extra = max(0, (waiting or 0) + (active or 0) - len(self.flights))
+
+    def engine_ttft(self, buckets: Sequence[tuple[float, int]]) -> None:
+        """The engine's TTFT histogram delta of one load report: (upper bound s, count);
+        each request counts at its bucket's upper bound (an infinite bound is skipped)."""
+        for bound, count in buckets:
+            if math.isfinite(bound):
+                for _ in range(min(count, EWMA_SAMPLES)):
+                    self.engine_ttft_s.add(bound)
+
+    # ----- derived state --------------------------------------------------------------
+
+    @property
+    def gateway_only(self) -> bool:
+        """No slot count and no waiting count reported: predicted from the router's timings."""
+        return self.total_slots is None and self.waiting is None
+
+    def occupancy(self) -> int:
+        """Requests the worker holds now: the router's in flight plus the engine's others."""
+        return len(self.flights) + self.extra
+
+    def slots(self, now: float) -> int | None:
+        """How many requests run at once; None: no limit seen yet."""
+        if self.total_slots is not None:
+            return self.total_slots
+        if self.slots_guess is None:
+            return None
+        probe = 1 if now - self.guessed_at >= PROBE_EVERY else 0
+        return self.slots_guess + probe
+
+    def rate(self, now: float) -> float | None:
+        """Requests a full worker completes per second; None: not measured yet."""
+        service = self.service.get()
+        slots = self.total_slots if self.total_slots is not None else self.slots_guess
+        if not service or slots is None:
+            return None
+        return slots / service
+
+    def pending_tokens(self, now: float) -> int:
+        """Prompt tokens of the requests started here and not yet at their first token."""
+        slots = self.slots(now)
+        room = len(self.flights) if slots is None else max(0, slots - self.streaming)
+        total = 0
+        for f in self.flights.values():  # in dispatch order
+            if room <= 0:
+                break
+            if f.first_byte is None:
+                total += f.prompt_tokens
+                room -= 1
+        return total
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The inputs this worker's prediction goes without, by name."""
+        out = []
+        if self.waiting is None:
+            out.append(WAITING)
+        if self.active is None:
+            out.append(ACTIVE)
+        if self.total_slots is None:
+            out.append(TOTAL)
+        if not self.engine_ttft_s.count:
+            out.append(ENGINE_TTFT)
+        if not self.service.count:
+            out.append(COMPLETIONS)
+        if self.fit.count < MIN_FIT_SAMPLES:
+            out.append(PREFILL)
+        if not self.gateway.count:
+            out.append(GATEWAY)
+        return tuple(out)
+
+    def idle_ttft(self, prompt_tokens: int) -> float:
+        """What an idle worker is measured to take for this prompt: prefill and gateway."""
+        return self.fit.predict(prompt_tokens) + (self.gateway.get() or 0.0)
+
+    def view(self, now: float, target_s: float | None = None) -> dict[str, object]:
+        """Diagnostics for /debug/workers (times in ms)."""
+        typical = round(self.prompt_tokens.get() or 0)
+        p = predict_ttft(self, typical, 0, now)
+        rate = self.rate(now)
+        idle = self.idle_ttft(typical)
+        out: dict[str, object] = {
+            "predicted_wait_ms": None if p.wait is None else round(p.wait * 1000, 1),
+            "predicted_ttft_ms": None if p.ttft is None else round(p.ttft * 1000, 1),
+            "prefill_ms_per_1k_tokens": round(self.fit.cost * 1000, 3),
+            "prefill_overhead_ms": round(self.fit.overhead * 1000, 1),
+            "completion_rate_per_s": None if rate is None else round(rate, 3),
+            "service_ms": None if not self.service.count else round(self.service.value * 1000, 1),
+            "gateway_delay_ms": round((self.gateway.get() or 0.0) * 1000, 1),
+            "slots": self.slots(now),
+            "occupancy": self.occupancy(),
+            "in_flight": len(self.flights),
+            "streaming": self.streaming,
+            "typical_prompt_tokens": typical,
+            "idle_ttft_ms": round(idle * 1000, 1),
+            "engine_ttft_ms": (
+                None if not self.engine_ttft_s.count else round(self.engine_ttft_s.value * 1000, 1)
+            ),
+            "from": "gateway timings alone" if self.gateway_only else "engine slots",
+            "missing": list(self.missing),
+        }
+        if target_s is not None and idle > target_s:
+            out["target"] = f"target unreachable: an idle worker takes {idle * 1000:.0f} ms"
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One worker's predicted TTFT for one request, with its parts (seconds)."""
+
+    worker: str
+    ttft: float | None  # None: the wait is unknown (full, and no rate measured yet)
+    wait: float | None
+    prefill: float
+    gateway: float
+    ahead: float  # requests ahead of it in line for a slot (0 when one is free for it)
+    can_start: bool  # a slot is free on this worker now
+    idle: float  # what an idle worker takes for this prompt: prefill + gateway, no wait
+    wait_spread: float = 0.0  # the wait's 90th percentile less its mean
+    prefill_spread: float = 0.0  # PREFILL_MARGIN mean absolute residuals of the prefill fit
+    gateway_only: bool = False
+    missing: tuple[str, ...] = ()
+
+    @property
+    def spread(self) -> float:
+        """Added to ``ttft``: the bound admission judges a request on."""
+        return self.wait_spread + self.prefill_spread
+
+
+def predict_ttft(
+    est: WorkerEstimate, prompt_tokens: int, held_ahead: float, now: float
+) -> Prediction:
+    """The predicted TTFT of a request of ``prompt_tokens`` on ``est``'s worker with
+    ``held_ahead`` requests held in the router before it (the module's formula)."""
+    slots = est.slots(now)
+    occupancy = est.occupancy()
+    can_start = slots is None or occupancy < slots
+    gateway = est.gateway.get() or 0.0
+    prefill_spread = PREFILL_MARGIN * (est.fit.abs_residual.get() or 0.0)
+    wait_spread = 0.0
+    if slots is None or occupancy + held_ahead < slots:
+        wait: float | None = 0.0
+        ahead = 0.0
+        prefill = est.fit.predict(prompt_tokens + est.pending_tokens(now))
+    else:
+        ahead = occupancy + held_ahead - slots
+        rate = est.rate(now)
+        wait = None if rate is None else (ahead + 1) / rate
+        if rate is not None:
+            wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
+        prefill = est.fit.predict(prompt_tokens)
+    return Prediction(
+        est.worker,
+        None if wait is None else wait + prefill + gateway,
+        wait,
+        prefill,
+        gateway,
+        ahead,
+        can_start,
+        est.fit.predict(prompt_tokens) + gateway,
+        wait_spread,
+        prefill_spread,
+        est.gateway_only,
+        est.missing,
+    )
+
+
+def held_shares(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) -> list[float]:
+    """How many of ``held_ahead`` requests held for any of ``estimates`` each worker takes
+    before the next one, as the slots free: every worker first finishes the requests it
+    holds beyond its slots, then frees slots at its rate, and each freed slot takes the next
+    held request. With ``T`` the time by which the workers have freed ``held_ahead + 1``
+    slots, a worker takes ``rate x T - backlog - 1`` of them (at least 0), so its
+    :func:`predict_ttft` waits ``T`` exactly when it is the one that frees in time.
+    A worker with no rate measured takes none."""
+    if held_ahead <= 0:
+        return [0.0] * len(estimates)
+    need = float(held_ahead + 1)
+    lines: list[tuple[float, float]] = []  # (backlog, rate) of the full workers
+    for est in estimates:
+        slots = est.slots(now)
+        if slots is None:
+            need -= math.inf
+            continue
+        occupancy = est.occupancy()
+        if occupancy < slots:
+            need -= slots - occupancy
+            continue
+        rate = est.rate(now)
+        if rate:
+            lines.append((occupancy - slots, rate))
+    if need <= 0 or not lines:
+        return [0.0] * len(estimates)
+    # Solve sum(max(0, rate x T - backlog)) = need: piecewise linear, increasing in T.
+    lines.sort(key=lambda br: br[0] / br[1])
+    sum_b = sum_r = 0.0
+    t = math.inf
+    for i, (b, r) in enumerate(lines):
+        sum_b += b
+        sum_r += r
+        t = (need + sum_b) / sum_r
+        nxt = lines[i + 1][0] / lines[i + 1][1] if i + 1 < len(lines) else math.inf
+        if t <= nxt:
+            break
+    shares = []
+    for est in estimates:
+        slots = est.slots(now)
+        rate = est.rate(now)
+        occupancy = est.occupancy()
+        if slots is None or occupancy < slots or not rate:
+            shares.append(0.0 if slots is None or occupancy < slots else float(held_ahead))
+            continue
+        shares.append(max(0.0, rate * t - (occupancy - slots) - 1.0))
+    return shares
+
+
+def predict_all(
+    estimates: Sequence[WorkerEstimate], prompt_tokens: int, held_ahead: int, now: float
+) -> list[Prediction]:
+    """Every candidate's prediction, the ``held_ahead`` requests shared out as the workers'
+    slots free (:func:`held_shares`)."""
+    shares = held_shares(estimates, held_ahead, now)
+    return [predict_ttft(e, prompt_tokens, h, now) for e, h in zip(estimates, shares, strict=True)]
+
+
+# ----- the decision ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send the request to ``worker`` now."""
+
+    worker: str
+    prediction: Prediction
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Hold the request in the router until a slot frees; ``worker``: where it is predicted
+    to go (None: any); ``deadline``: the latest dispatch that still meets the target."""
+
+    worker: str | None
+    wait: float
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Answer the overload reply now: no worker gives a first token within the target.
+    ``wait``: the smallest predicted wait (None: unknown); ``unreachable``: even an idle
+    worker takes longer than the target for this request."""
+
+    wait: float | None
+    unreachable: bool = False
+    idle: float | None = None  # the smallest idle TTFT, for the message
+
+    @property
+    def retry_after(self) -> int:
+        """``Retry-After``: the wait in whole seconds, rounded up, 1-60 (1 when unknown)."""
+        if self.wait is None:
+            return 1
+        return max(1, min(MAX_RETRY_AFTER, math.ceil(self.wait)))
+
+    @property
+    def retry_after_ms(self) -> int:
+        """``retry-after-ms``: the same wait in milliseconds, rounded up, at least 1 (1000
+        when unknown), at most the ``Retry-After`` ceiling."""
+        if self.wait is None:
+            return 1000
+        return max(1, min(MAX_RETRY_AFTER * 1000, math.ceil(self.wait * 1000)))
+
+
+Decision = Dispatch | Hold | Reject
+
+
+def decide(
+    predictions: Sequence[Prediction],
+    target_s: float,
+    now: float,
+    arrived: float | None = None,
+) -> Decision:
+    """Dispatch, hold or reject one request against its TTFT target (the module's rule).
+
+    ``predictions``: one per candidate worker (not busy by the thresholds, which stay
+    ceilings); ``arrived``: when the request reached the router (default ``now``), from
+    which its deadline counts. Ties go to the first candidate."""
+    if not predictions:
+        raise ValueError("predictions: empty; expected at least one candidate worker")
+    if not target_s > 0:
+        raise ValueError(f"target_s: {target_s!r}; expected a number > 0")
+    start = now if arrived is None else arrived
+    left = target_s - (now - start)  # what remains of the target
+    fits = [p for p in predictions if p.ttft is not None and p.ttft + p.spread <= left]
+    now_fits = [p for p in fits if p.can_start and p.wait == 0]
+    if now_fits:
+        best = min(now_fits, key=_ttft)
+        return Dispatch(best.worker, best)
+    if fits:
+        best = min(fits, key=_ttft)
+        wait = best.wait or 0.0
+        deadline = start + target_s - best.prefill - best.gateway - best.prefill_spread
+        return Hold(best.worker, wait, deadline)
+    idle = min(p.idle for p in predictions)
+    waits = [p.wait for p in predictions if p.wait is not None]
+    return Reject(min(waits) if waits else None, idle > left, idle)
+
+
+def _ttft(p: Prediction) -> float:
+    return math.inf if p.ttft is None else p.ttft

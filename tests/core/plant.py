@@ -1,0 +1,181 @@
+"""A plant that queues, for the deadline predictor's tests: one engine, simulated by events.
+
+- ``slots`` requests run at once; the others wait at the engine, first come first served.
+- A request that gets a slot is prefilled in a shared, serial prefill stage (continuous
+  batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``, then its
+  first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
+  ``decode_s_per_token`` and frees its slot.
+- Arrivals are Poisson (seeded), prompt and output lengths uniform.
+- The router sees each request ``gateway_s`` after it arrives (its own delay), and what the
+  engine does ``net_s`` later (the network). The engine reports its waiting, running and
+  slot counts after every change, unless ``reports`` is off (a worker that reports none).
+
+The router under test is a callback object (:class:`Router`); the plant calls it on every
+event with the current time and records the true TTFT each client sees.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+
+@dataclass
+class Params:
+    slots: int = 8
+    prefill_s_per_token: float = 0.0001  # 100 ms per 1000 prompt tokens
+    overhead_s: float = 0.01
+    decode_s_per_token: float = 0.01
+    prompt_tokens: tuple[int, int] = (100, 2000)
+    output_tokens: tuple[int, int] = (20, 300)
+    gateway_s: float = 0.003
+    net_s: float = 0.001
+    reports: bool = True
+
+    def mean_service(self) -> float:
+        """Mean time a request holds a slot with no prefill contention."""
+        p = sum(self.prompt_tokens) / 2 * self.prefill_s_per_token
+        d = sum(self.output_tokens) / 2 * self.decode_s_per_token
+        return p + self.overhead_s + d
+
+    def capacity(self) -> float:
+        """Requests per second with every slot always busy (no prefill contention)."""
+        return self.slots / self.mean_service()
+
+
+@dataclass
+class Request:
+    rid: int
+    arrived: float
+    prompt: int
+    output: int
+    first_token: float | None = None  # at the client (= at the router)
+    ended: float | None = None
+    outcome: str = "pending"  # dispatched, held, rejected, expired
+    predicted: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrived
+
+
+class Router:
+    """What the plant calls; override what the test needs."""
+
+    def arrive(self, plant: Plant, req: Request, now: float) -> None:
+        plant.dispatch(req, now)
+
+    def first_byte(self, plant: Plant, req: Request, now: float) -> None:
+        pass
+
+    def ended(self, plant: Plant, req: Request, now: float) -> None:
+        pass
+
+    def load(self, plant: Plant, waiting: int, active: int, total: int, now: float) -> None:
+        pass
+
+    def timer(self, plant: Plant, now: float) -> None:
+        pass
+
+
+@dataclass
+class Plant:
+    params: Params
+    router: Router
+    seed: int = 1
+    requests: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.events: list[tuple[float, int, Callable[[float], None]]] = []
+        self.seq = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.running = 0
+        self.prefill_free_at = 0.0
+        self.busy_time = 0.0  # slot-seconds in use, for utilisation
+        self.last_change = 0.0
+
+    # ----- scheduling ------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), fn))
+
+    def run(self, rate: Callable[[float], float], until: float) -> list[Request]:
+        """Poisson arrivals at ``rate(t)`` per second until ``until``; then drain."""
+        t = 0.0
+        while True:
+            t += self.rng.expovariate(rate(t))
+            if t >= until:
+                break
+            lo, hi = self.params.prompt_tokens
+            olo, ohi = self.params.output_tokens
+            req = Request(
+                len(self.requests), t, self.rng.randint(lo, hi), self.rng.randint(olo, ohi)
+            )
+            self.requests.append(req)
+            self.at(t + self.params.gateway_s, partial(self._arrive, req))
+        while self.events:
+            t, _, fn = heapq.heappop(self.events)
+            fn(t)
+        return self.requests
+
+    def _arrive(self, req: Request, now: float) -> None:
+        self.router.arrive(self, req, now)
+
+    # ----- the engine --------------------------------------------------------------------
+
+    def dispatch(self, req: Request, now: float) -> None:
+        """The router sends ``req`` to the engine now."""
+        req.outcome = "dispatched"
+        self.at(now + self.params.net_s, lambda t: self._receive(req, t))
+
+    def _account(self, now: float) -> None:
+        self.busy_time += self.running * (now - self.last_change)
+        self.last_change = now
+
+    def _receive(self, req: Request, now: float) -> None:
+        if self.running < self.params.slots:
+            self._start(req, now)
+        else:
+            self.waiting.append(req)
+        self._report(now)
+
+    def _start(self, req: Request, now: float) -> None:
+        self._account(now)
+        self.running += 1
+        p = self.params
+        done = max(now, self.prefill_free_at) + req.prompt * p.prefill_s_per_token
+        self.prefill_free_at = done
+        first = done + p.overhead_s
+        end = first + req.output * p.decode_s_per_token
+        self.at(first + p.net_s, lambda t: self._first(req, t))
+        self.at(end, lambda t: self._end(req, t))
+
+    def _first(self, req: Request, now: float) -> None:
+        req.first_token = now
+        self.router.first_byte(self, req, now)
+
+    def _end(self, req: Request, now: float) -> None:
+        self._account(now)
+        self.running -= 1
+        if self.waiting:
+            self._start(self.waiting.popleft(), now)
+        self._report(now)
+        self.at(now + self.params.net_s, lambda t: self._seen_end(req, t))
+
+    def _seen_end(self, req: Request, now: float) -> None:
+        req.ended = now
+        self.router.ended(self, req, now)
+
+    def _report(self, now: float) -> None:
+        if self.params.reports:
+            waiting, active = len(self.waiting), self.running
+            self.at(
+                now + self.params.net_s,
+                lambda t: self.router.load(self, waiting, active, self.params.slots, t),
+            )
