@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -77,8 +77,18 @@ class RankLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class RankQueue:
+    """The engine's queue and sequence slots on one rank, as the ``load`` fields of the same
+    names carry them; None = not reported."""
+
+    num_requests_waiting: int | None = None
+    request_active_slots: int | None = None
+    request_total_slots: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
-    """What one scrape says about the worker: config fields and per-rank loads."""
+    """What one scrape says about the worker: config fields, per-rank loads and queues."""
 
     block_size: int
     kv_total_blocks: int | None
@@ -86,6 +96,7 @@ class WorkerView:
     dp_size: int
     loads: dict[int, RankLoad]
     ranks_seen: int
+    queues: dict[int, RankQueue] = field(default_factory=dict)
 
 
 def _total_blocks(
@@ -121,7 +132,7 @@ def worker_view(
     settings: AgentSettings,
     proxied_prefill: Sequence[int] | None = None,
 ) -> WorkerView:
-    """Config fields and per-rank loads from one snapshot (see the module table).
+    """Config fields, per-rank loads and queues from one snapshot (docs/worker.md).
 
     ``proxied_prefill``: the agent's own prompt-token count per rank in proxy mode.
     """
@@ -133,6 +144,7 @@ def worker_view(
     ]
     config_total = totals[0] if totals else settings.kv_total_blocks
     loads: dict[int, RankLoad] = {}
+    queues: dict[int, RankQueue] = {}
     for dp_rank, (stats, total) in enumerate(zip(ranks, totals, strict=True)):
         prefill = _prefill_estimate(stats)
         if proxied_prefill is not None:
@@ -143,6 +155,11 @@ def worker_view(
             active_prefill_tokens=prefill,
             kv_total_blocks=total if total != config_total else None,
         )
+        queues[dp_rank] = RankQueue(
+            num_requests_waiting=stats.requests_waiting,
+            request_active_slots=stats.slots_active,
+            request_total_slots=stats.slots_total or settings.max_num_seqs,
+        )
     return WorkerView(
         block_size=block_size,
         kv_total_blocks=config_total,
@@ -150,6 +167,7 @@ def worker_view(
         dp_size=max(settings.dp_size or len(ranks) or 1, len(ranks)),
         loads=loads,
         ranks_seen=len(ranks),
+        queues=queues,
     )
 
 
@@ -409,11 +427,15 @@ class Agent:
     def _send_loads(publisher: EventPublisher, view: WorkerView) -> None:
         for rank, load in view.loads.items():
             if rank < view.dp_size:
+                queue = view.queues.get(rank, RankQueue())
                 publisher.update_load(
                     rank,
                     active_decode_blocks=load.active_decode_blocks,
                     active_prefill_tokens=load.active_prefill_tokens,
                     kv_total_blocks=load.kv_total_blocks,
+                    num_requests_waiting=queue.num_requests_waiting,
+                    request_active_slots=queue.request_active_slots,
+                    request_total_slots=queue.request_total_slots,
                 )
 
     def _warn_about_overrides(self, snapshot: EngineSnapshot, view: WorkerView) -> None:
@@ -422,6 +444,7 @@ class Agent:
         checks = [
             ("--block-size", s.block_size, first.block_size if first else None),
             ("--max-num-batched-tokens", s.max_num_batched_tokens, snapshot.max_num_batched_tokens),
+            ("--max-num-seqs", s.max_num_seqs, first.slots_total if first else None),
         ]
         if first is not None and (first.kv_total_blocks or first.kv_total_tokens):
             checks.append(("--kv-total-blocks", s.kv_total_blocks, view.kv_total_blocks))

@@ -45,6 +45,7 @@ class AgentSettings:
     block_size: int | None = None
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     dp_size: int | None = None
     worker_type: str = "decode"
     heartbeat: float = 2.0
@@ -179,6 +180,16 @@ class AgentFlags(cli.WorkerFlags):
         expected="an integer >= 1",
         ge=1,
     )
+    max_num_seqs: OptWhole = option(
+        None,
+        "--max-num-seqs",
+        "facts",
+        "most sequences the engine runs at once per DP rank (vLLM --max-num-seqs, SGLang "
+        "--max-running-requests); unset and not printed by the engine = not reported",
+        metavar="N",
+        expected="an integer >= 1",
+        ge=1,
+    )
     dp_size: OptWhole = option(
         None,
         "--dp-size",
@@ -305,6 +316,7 @@ def parse_args(
         block_size=flags.block_size,
         kv_total_blocks=flags.kv_total_blocks,
         max_num_batched_tokens=flags.max_num_batched_tokens,
+        max_num_seqs=flags.max_num_seqs,
         dp_size=flags.dp_size,
         worker_type=flags.worker_type,
         heartbeat=flags.heartbeat,

@@ -59,6 +59,12 @@ class RankStats:
     prefill_tokens: int | None = None  # a direct "tokens waiting for prefill" gauge
     avg_prompt_tokens: float | None = None  # mean prompt length of finished requests
     num_preemptions: int | None = None  # cumulative preemptions / retractions
+    # The engine's queue and sequence slots, as the load event carries them: requests queued
+    # at the engine and not running yet; sequences running; the most sequences the rank runs
+    # at once (vLLM ``max_num_seqs``, SGLang ``max_running_requests``, llama.cpp slots).
+    requests_waiting: int | None = None
+    slots_active: int | None = None
+    slots_total: int | None = None
     # The engine's TTFT histogram, cumulative: (upper bound s, requests at or below it);
     # +Inf last. Empty: not reported. A counter, not part of the rank's state (no compare).
     ttft_buckets: tuple[tuple[float, float], ...] = field(default=(), compare=False)
@@ -249,12 +255,15 @@ def parse_vllm(text: str) -> EngineSnapshot:
     preempted = _per_rank(samples.get("vllm:num_preemptions_total", ()), label)
     blocks: dict[int, int] = {}
     block_size: dict[int, int] = {}
+    max_seqs: dict[int, int] = {}
     for s in samples.get("vllm:cache_config_info", ()):
         rank = _rank_of(s, label)
         if (n := _label_int(s, "num_gpu_blocks")) is not None:
             blocks[rank] = n
         if (b := _label_int(s, "block_size")) is not None and b > 0:
             block_size[rank] = b
+        if m := _label_int(s, "max_num_seqs"):
+            max_seqs[rank] = m
     # Mean prompt length: the per-request histogram, else prompt tokens per finished request.
     hist_sum = _per_rank_sum(samples.get("vllm:request_prompt_tokens_sum", ()), label)
     hist_count = _per_rank_sum(samples.get("vllm:request_prompt_tokens_count", ()), label)
@@ -262,8 +271,10 @@ def parse_vllm(text: str) -> EngineSnapshot:
     finished = _per_rank_sum(samples.get("vllm:request_success_total", ()), label)
     ttft = _histogram(samples.get("vllm:time_to_first_token_seconds_bucket", ()), label)
     max_batched: int | None = None
+    any_max_seqs: int | None = None  # the scheduler's, for every rank
     for s in samples.get("vllm:vllm_config_info", ()):
         max_batched = _label_int(s, "scheduler_config_max_num_batched_tokens") or max_batched
+        any_max_seqs = _label_int(s, "scheduler_config_max_num_seqs") or any_max_seqs
     ranks = sorted(set(usage) | set(running) | set(waiting) | set(blocks))
     return EngineSnapshot(
         engine="vllm",
@@ -278,6 +289,9 @@ def parse_vllm(text: str) -> EngineSnapshot:
                 avg_prompt_tokens=_mean(hist_sum.get(r), hist_count.get(r))
                 or _mean(prompt_total.get(r), finished.get(r)),
                 num_preemptions=_count("vllm:num_preemptions_total", preempted.get(r)),
+                requests_waiting=_count("vllm:num_requests_waiting", waiting.get(r)),
+                slots_active=_count("vllm:num_requests_running", running.get(r)),
+                slots_total=max_seqs.get(r, any_max_seqs),
                 ttft_buckets=ttft.get(r, ()),
             )
             for r in ranks
@@ -305,6 +319,7 @@ def parse_sglang(text: str) -> EngineSnapshot:
     running = gauge("sglang:num_running_reqs")
     queued = gauge("sglang:num_queue_reqs")
     page = gauge("sglang:page_size")
+    max_running = gauge("sglang:max_running_requests")
     prefill = gauge("sglang:num_prefill_tokens")
     retracted = _per_rank_sum(samples.get("sglang:num_retracted_requests_total", ()), label)
     ttft = _histogram(samples.get("sglang:time_to_first_token_seconds_bucket", ()), label)
@@ -331,6 +346,9 @@ def parse_sglang(text: str) -> EngineSnapshot:
                 prefill_tokens=_count("sglang:num_prefill_tokens", prefill.get(r)),
                 avg_prompt_tokens=mean_prompt,
                 num_preemptions=_count("sglang:num_retracted_requests_total", retracted.get(r)),
+                requests_waiting=_count("sglang:num_queue_reqs", queued.get(r)),
+                slots_active=_count("sglang:num_running_reqs", running.get(r)),
+                slots_total=_count("sglang:max_running_requests", max_running.get(r)) or None,
                 ttft_buckets=ttft.get(r, ()),
             )
             for r in ranks

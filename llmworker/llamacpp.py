@@ -31,6 +31,10 @@ One llama-server is one data-parallel rank. What each field of the
   while requests are deferred and no slot is processing.
 - ``num_running``: ``requests_processing``; ``num_waiting``: ``requests_deferred`` plus
   the processing slots that have generated nothing yet (requests before their first token).
+- The queue and slots of the load event: ``requests_waiting`` is ``requests_deferred``
+  (requests queued for a slot), ``slots_active`` the processing slots of ``/slots`` (a
+  request in a slot runs, even before its first token), ``slots_total`` the number of slots
+  (``--parallel``).
 """
 
 from __future__ import annotations
@@ -170,6 +174,9 @@ def parse_llamacpp(metrics_text: str, slots_text: str) -> EngineSnapshot:
                 kv_total_tokens=sum(s.n_ctx for s in slots) or None,
                 prefill_tokens=prefill,
                 avg_prompt_tokens=mean,
+                requests_waiting=deferred,
+                slots_active=len(busy),
+                slots_total=len(slots),
             ),
         ),
     )

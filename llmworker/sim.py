@@ -211,12 +211,14 @@ class SimWorker:
         if self.publisher is not None:
             self._publish_load(self.publisher, rank, load)
 
-    @staticmethod
-    def _publish_load(publisher: EventPublisher, rank: int, load: RankLoad) -> None:
+    def _publish_load(self, publisher: EventPublisher, rank: int, load: RankLoad) -> None:
         publisher.update_load(
             rank,
             active_decode_blocks=load.active_decode_blocks,
             active_prefill_tokens=load.active_prefill_tokens,
+            num_requests_waiting=load.num_waiting,
+            request_active_slots=load.num_running,
+            request_total_slots=self.settings.engine.max_num_seqs,
         )
 
     # HTTP ------------------------------------------------------------------

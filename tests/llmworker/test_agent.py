@@ -70,6 +70,8 @@ def test_vllm_fixture_parses_into_per_engine_snapshot() -> None:
                 block_size=16,
                 avg_prompt_tokens=51234 / 87,
                 num_preemptions=4,
+                requests_waiting=2,
+                slots_active=3,
             ),
             RankStats(
                 rank=1,
@@ -80,6 +82,8 @@ def test_vllm_fixture_parses_into_per_engine_snapshot() -> None:
                 block_size=16,
                 avg_prompt_tokens=540.0,
                 num_preemptions=0,
+                requests_waiting=0,
+                slots_active=1,
             ),
         ),
     )
@@ -98,6 +102,8 @@ def test_sglang_fixture_parses_into_per_dp_rank_snapshot() -> None:
                 kv_total_tokens=524288,
                 avg_prompt_tokens=1536.0,
                 num_preemptions=2,
+                requests_waiting=3,
+                slots_active=12,
             ),
             RankStats(
                 rank=1,
@@ -108,6 +114,8 @@ def test_sglang_fixture_parses_into_per_dp_rank_snapshot() -> None:
                 kv_total_tokens=524288,
                 avg_prompt_tokens=1536.0,
                 num_preemptions=0,
+                requests_waiting=0,
+                slots_active=5,
             ),
         ),
     )
@@ -156,7 +164,14 @@ vllm:cache_config_info{block_size="32",num_gpu_blocks="None"} 1.0
 def test_older_vllm_names_and_flag_fallbacks() -> None:
     snapshot = parse_engine_metrics("vllm", OLD_VLLM)
     assert snapshot.ranks == (
-        RankStats(rank=0, num_waiting=4, kv_usage=0.5, block_size=32, avg_prompt_tokens=300.0),
+        RankStats(
+            rank=0,
+            num_waiting=4,
+            kv_usage=0.5,
+            block_size=32,
+            avg_prompt_tokens=300.0,
+            requests_waiting=4,
+        ),
     )
     view = worker_view(snapshot, _settings())
     assert view.kv_total_blocks is None  # engine not initialised, no flag: not reported
@@ -310,6 +325,40 @@ async def test_engine_down_past_the_grace_says_bye_and_comes_back(
         assert (await sub.next_of(ConfigEvent)).worker_id == "w-in"
         failures = [r.getMessage() for r in caplog.records if "HTTP 503" in r.getMessage()]
         assert len(failures) == 1, failures
+    finally:
+        await agent.stop()
+        sub.close()
+
+
+async def test_the_queue_and_slots_of_each_rank_go_out_with_its_load(
+    fake_engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="llmworker.agent")
+    fake_engine.text = VLLM_TEXT
+    sub = Subscriber()
+    agent = _agent(fake_engine, sub, "--max-num-seqs", "256")
+    await agent.start()
+    try:
+        ranks: dict[int, LoadEvent] = {}
+        while len(ranks) < 2:
+            load = await sub.next_of(LoadEvent)
+            ranks[load.dp_rank or 0] = load
+        assert [
+            (e.num_requests_waiting, e.request_active_slots, e.request_total_slots)
+            for _, e in sorted(ranks.items())
+        ] == [(2, 3, 256), (0, 1, 256)]
+        # The engine starts printing its own value: it wins, and the flag is reported once.
+        fake_engine.text = (
+            VLLM_TEXT + 'vllm:vllm_config_info{scheduler_config_max_num_seqs="128"} 1\n'
+        )
+        load = await sub.next_of(LoadEvent)
+        while load.request_total_slots != 128:
+            load = await sub.next_of(LoadEvent)
+        warnings = [r.getMessage() for r in caplog.records if "--max-num-seqs" in r.getMessage()]
+        assert warnings == [
+            "--max-num-seqs 256 ignored: the engine reports 128 "
+            "(the flag applies only when the engine does not)"
+        ]
     finally:
         await agent.stop()
         sub.close()

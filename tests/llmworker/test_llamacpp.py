@@ -59,6 +59,9 @@ def test_busy_engine_two_slots_decoding_and_one_request_deferred() -> None:
                 kv_total_tokens=512 + 512,
                 prefill_tokens=131,  # one deferred request x the mean prompt (131)
                 avg_prompt_tokens=131.0,
+                requests_waiting=1,
+                slots_active=2,
+                slots_total=2,
             ),
         ),
     )
