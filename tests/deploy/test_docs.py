@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +104,128 @@ def test_readme_is_the_front_door() -> None:
 
 def test_cited_docs_exist() -> None:
     assert [n for n in REQUIRED_DOCS if not (ROOT / "docs" / n).is_file()] == []
+
+
+# --- figures quoted from a results file --------------------------------------------------------
+#
+# A figure quoted in docs/ comes from a results file committed from the same run. Where the
+# quote is mechanical, the doc marks it and these tests hold it to the file:
+#
+#   <!-- rows from F.md -->    the table below: every line is a line of docs/F.md
+#   <!-- lines from F.md -->   the lines below, up to a blank line: each a line of docs/F.md
+#   <!-- slo goodput per phase from F.json -->   the table below: per mode (first cell, bold,
+#       "(...)" and trailing words after the mode's name aside), SLO goodput per phase at the
+#       cells' decimals, and "w of n" judged windows within target, as in docs/F.json
+
+_MARK = re.compile(r"^<!-- (rows|lines|slo goodput per phase) from ([\w.-]+) -->$", re.MULTILINE)
+# Docs whose figures are held to their results files this way, and the marks each must keep
+# (a mark deleted would silently stop the check).
+QUOTING = {
+    "performance.md": {("rows", "overload-results.md"), ("lines", "overload-results.md")},
+    "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
+                    ("rows", "overload-llamacpp-results.md")},
+    "latency-target.md": {
+        ("rows", "slo-results.md"),
+        ("slo goodput per phase", "slo-results.json"),
+        ("slo goodput per phase", "slo-100ms-results.json"),
+        ("slo goodput per phase", "slo-llamacpp-results.json"),
+    },
+}  # fmt: skip
+
+
+def quoted_blocks(text: str) -> list[tuple[str, str, list[str]]]:
+    """(kind, results file, the block's lines) for every mark in ``text``."""
+    out = []
+    for m in _MARK.finditer(text):
+        lines = []
+        for line in text[m.end() :].lstrip("\n").splitlines():
+            if not line.strip() or (m.group(1) != "lines" and not line.startswith("|")):
+                break
+            lines.append(line)
+        out.append((m.group(1), m.group(2), lines))
+    return out
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def slo_table_errors(lines: list[str], results: dict[str, Any]) -> list[str]:
+    """Where a per-phase SLO goodput table differs from the results JSON."""
+    modes = {m["mode"]["name"]: m for m in results["modes"]}
+    errors = []
+    for row in lines[2:]:
+        cells = _cells(row)
+        label = re.sub(r"\s*\(.*?\)", "", cells[0].replace("**", "")).strip()
+        mode = modes.get(label)
+        if mode is None:
+            errors.append(f"{cells[0]!r}: no mode {label!r} in {sorted(modes)}")
+            continue
+        phases = mode["phases"]
+        if len(cells) != len(phases) + 2:
+            errors.append(f"{label}: {len(cells) - 2} phase cells for {len(phases)} phases")
+            continue
+        for cell, phase in zip(cells[1:-1], phases, strict=True):
+            decimals = len(cell.partition(".")[2])
+            want = f"{phase['slo_goodput_rps']:.{decimals}f}"
+            if cell != want:
+                errors.append(f"{label}, {phase['load']:g}x: {cell} in the doc, {want} in the file")
+        within = sum(p["windows_within"] for p in phases)
+        judged = sum(p["windows_judged"] for p in phases)
+        if cells[-1].replace("**", "") != f"{within} of {judged}":
+            errors.append(f"{label}: windows {cells[-1]} in the doc, {within} of {judged}")
+    return errors
+
+
+def quote_errors(doc: Path) -> list[str]:
+    """Every mismatch between the marked quotes of ``doc`` and their results files."""
+    errors = []
+    for kind, name, lines in quoted_blocks(doc.read_text(encoding="utf-8")):
+        source = doc.parent / name
+        if not source.is_file():
+            errors.append(f"{kind} from {name}: no such file")
+            continue
+        if not lines:
+            errors.append(f"{kind} from {name}: nothing quoted under the mark")
+        elif kind == "slo goodput per phase":
+            errors += [
+                f"{name}: {e}" for e in slo_table_errors(lines, json.loads(source.read_text()))
+            ]
+        else:
+            have = set(source.read_text(encoding="utf-8").splitlines())
+            errors += [f"{name} has no line {line!r}" for line in lines if line not in have]
+    return errors
+
+
+@pytest.mark.parametrize("name", sorted(QUOTING))
+def test_quoted_figures_are_those_of_the_results_file(name: str) -> None:
+    doc = ROOT / "docs" / name
+    marks = {(kind, src) for kind, src, _ in quoted_blocks(doc.read_text(encoding="utf-8"))}
+    assert QUOTING[name] <= marks, f"{name} lost its marks {QUOTING[name] - marks}"
+    assert quote_errors(doc) == []
+
+
+def test_the_quote_checker_finds_what_it_should(tmp_path: Path) -> None:
+    (tmp_path / "r.md").write_text("| a | b |\n|---|---|\n| 1 | 2 |\n- x: 0.50 s: met\n")
+    (tmp_path / "r.json").write_text(json.dumps({"modes": [{
+        "mode": {"name": "target"},
+        "phases": [{"load": 1, "slo_goodput_rps": 7.6, "windows_within": 1, "windows_judged": 2},
+                   {"load": 3, "slo_goodput_rps": 9.43, "windows_within": 3, "windows_judged": 3}],
+    }]}))  # fmt: skip
+    good = tmp_path / "good.md"
+    good.write_text(
+        "<!-- rows from r.md -->\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "<!-- lines from r.md -->\n- x: 0.50 s: met\n\n"
+        "<!-- slo goodput per phase from r.json -->\n| mode | 1x | 3x | w |\n|---|---|---|---|\n"
+        "| **target** (ceiling) | 7.6 | 9.43 | 4 of 5 |\n"
+    )
+    assert quote_errors(good) == []
+    bad = tmp_path / "bad.md"
+    bad.write_text(
+        "<!-- rows from r.md -->\n| a | b |\n|---|---|\n| 1 | 3 |\n\n"
+        "<!-- lines from r.md -->\n- x: 0.40 s: met\n\n"
+        "<!-- slo goodput per phase from r.json -->\n| mode | 1x | 3x | w |\n|---|---|---|---|\n"
+        "| target | 7.6 | 9.5 | 4 of 4 |\n| shipped | 1 | 2 | 0 of 0 |\n\n"
+        "<!-- rows from gone.md -->\n| x |\n"
+    )
+    assert len(quote_errors(bad)) == 6, quote_errors(bad)
