@@ -25,6 +25,7 @@ from extproc.core.scheduling import MAX_FALLBACKS, Scheduler
 from extproc.events.curve import REFUSED_REASONS, CurveClient, CurveServer, load_key_pair
 from extproc.events.replica import ReplicaPublisher
 from extproc.events.subscriber import EventBindError, EventSubscriber
+from extproc.handlers.body_budget import MIB, BodyBudget
 from extproc.handlers.processor import PROCESS_PATH, SERVICE_NAME, ExtProcHandler
 from extproc.handlers.router_queue import RouterQueue
 from extproc.metrics.registry import Metrics
@@ -223,6 +224,9 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     except EventBindError as exc:
         raise StartupError(1, str(exc)) from None
     parts.callback(subscriber.close)
+    # Measurements reach the latency controller from where they are taken; the pool only
+    # receives the limits it sets.
+    subscriber.on_engine_ttft = latency.observe_engine
     readiness.events_bound = True
     if sharing:
         replicas = ReplicaPublisher(
@@ -256,6 +260,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         classes=classes,
         protocol=settings.protocol,
         latency=latency,
+        body_budget=BodyBudget(settings.request_body_budget_mib * MIB),
     )
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:

@@ -319,7 +319,6 @@ class LatencyControl:
         self.clock = clock
         self.classes = classes
         self.source = source
-        pool.on_engine_ttft = self.observe_engine
         # Per worker id: its controllers by MODEL or class name.
         self.workers: dict[str, dict[str, WorkerControl]] = {}
         # Timed streamed requests before their first token, by id(ticket): (ticket, class).

@@ -6,9 +6,11 @@ writer of their state. The event plane tells it what workers announce
 the request path records router estimates (dispatch / first token / move / release), the
 admin API sets thresholds, the latency controller sets its multipliers. After every write the
 touched worker's busy flags are recomputed, so a routing decision only reads them
-(:meth:`Worker.free_for`). Plain values only: no I/O, no wire structs. What this replica
-shares with the others (its id, the version stamps of threshold changes) is in
-:mod:`extproc.core.replica`.
+(:meth:`Worker.free_for`). Plain values only: no I/O, no wire structs, and nothing is
+called back but the capacity listener (the router queue); measurements such as an engine's
+own TTFT go from the event plane to the latency controller without passing through here.
+What this replica shares with the others (its id, the version stamps of threshold changes)
+is in :mod:`extproc.core.replica`.
 """
 
 from __future__ import annotations
@@ -81,8 +83,6 @@ class WorkerPool:
         self.queue_threshold = queue_threshold
         # Called with a model when its router-tracked prefill may have dropped.
         self.on_capacity: Callable[[str], None] | None = None
-        # Called with a worker and the engine-reported TTFT buckets of a load report.
-        self.on_engine_ttft: Callable[[Worker, list[tuple[float, int]]], None] | None = None
         # Sharing with other replicas (docs/replicas.md): who we are, told of every change
         # of our own estimates; the version stamps of threshold changes, by model.
         self.replica = Replica()
@@ -206,12 +206,10 @@ class WorkerPool:
         active_prefill_tokens: int | None = None,
         kv_total_blocks: int | None = None,
         seq: int | None = None,
-        ttft_seconds: list[tuple[float, int]] | None = None,
-    ) -> None:
-        """One rank's ActiveLoad, with the engine's own TTFT buckets since its previous
-        report when it sends them (for the latency controller). Raises
-        :class:`RankOutOfRange` (nothing changed) for a rank at or above the announced
-        ``dp_size``; before any announcement it is kept."""
+    ) -> Worker:
+        """One rank's ActiveLoad; returns the worker. Raises :class:`RankOutOfRange`
+        (nothing changed) for a rank at or above the announced ``dp_size``; before any
+        announcement it is kept."""
         now = self.clock()
         worker = self.workers.get(worker_id)
         if worker is None:
@@ -240,8 +238,7 @@ class WorkerPool:
         if kv_changed:
             self._rank_all_limits(worker, rank)
         self._refresh_rank(worker, rank)
-        if ttft_seconds and self.on_engine_ttft is not None and worker.configured:
-            self.on_engine_ttft(worker, ttft_seconds)
+        return worker
 
     def leave(self, worker_id: str) -> bool:
         """The worker is gone (``bye`` or TTL); False if it was not known."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiozmq
@@ -19,6 +20,7 @@ from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassConfigError, ClassRegistry
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import EndpointNotAllowed, RankOutOfRange, WorkerPool
+from extproc.core.worker import Worker
 from extproc.events.curve import CurveServer
 from extproc.events.schema import (
     DROP_FRAMES,
@@ -52,26 +54,33 @@ class EventBindError(RuntimeError):
 DRAIN_BATCH = 16
 
 
+# Told of a configured worker's engine-reported TTFT buckets (the latency controller).
+EngineTtftSink = Callable[[Worker, list[tuple[float, int]]], None]
+
+
 def apply_event(
     pool: WorkerPool,
     event: Event,
     peers: PeerEstimates | None = None,
     classes: ClassRegistry | None = None,
+    engine_ttft: EngineTtftSink | None = None,
 ) -> None:
     """Hand one validated event to the pool; a refusal becomes :class:`EventRejected`.
 
-    Messages of other extproc replicas apply only when sharing is on (``peers``)."""
+    Messages of other extproc replicas apply only when sharing is on (``peers``). The
+    engine's own TTFT buckets of a load event go to ``engine_ttft``, not to the pool."""
     try:
         if type(event) is LoadEvent:
-            pool.report_load(
+            worker = pool.report_load(
                 event.worker_id,
                 dp_rank=event.dp_rank or 0,
                 active_decode_blocks=event.active_decode_blocks,
                 active_prefill_tokens=event.active_prefill_tokens,
                 kv_total_blocks=event.kv_total_blocks,
                 seq=event.seq,
-                ttft_seconds=event.ttft_seconds,
             )
+            if event.ttft_seconds and engine_ttft is not None and worker.configured:
+                engine_ttft(worker, event.ttft_seconds)
         elif type(event) is ConfigEvent:
             displaced = pool.announce(
                 event.worker_id,
@@ -176,6 +185,8 @@ class EventSubscriber:
         self._lost_reported = 0
         self._counts: dict[bytes, int] = {}  # well-formed events by topic, not yet flushed
         self.endpoints: list[str] = []
+        # Where the engine-reported TTFT buckets of load events go (set by the wiring).
+        self.on_engine_ttft: EngineTtftSink | None = None
 
     async def start(self, bind: list[str], connect: list[str]) -> None:
         self._transport, _ = await aiozmq.create_zmq_connection(lambda: _SubProtocol(self), zmq.SUB)
@@ -204,7 +215,8 @@ class EventSubscriber:
             if len(frames) != 2:
                 raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
             topic = frames[0]
-            apply_event(self.pool, decode(topic, frames[1]), self.peers, self.classes)
+            event = decode(topic, frames[1])
+            apply_event(self.pool, event, self.peers, self.classes, self.on_engine_ttft)
         except EventRejected as exc:
             self.metrics.dropped[exc.reason].inc()
             if log.isEnabledFor(logging.DEBUG):

@@ -560,3 +560,16 @@ def test_the_first_fast_requests_after_a_cut_do_not_undo_it() -> None:
         sim.control.observe_ttft(worker, 0.05)
     sim.control.tick()
     assert sim.scale() > MAX_STEP_DOWN  # 20 fast ones since the cut: raised
+
+
+def test_the_pool_holds_no_way_back_to_the_controller() -> None:
+    """The controller writes limits into the pool; nothing in the pool calls it back
+    (measurements reach it from the event plane and the request path)."""
+    sim = Sim({"w": Plant()})
+    control = sim.control
+    held = [
+        v
+        for v in vars(sim.pool).values()
+        if v is control or getattr(v, "__self__", None) is control
+    ]
+    assert held == []
