@@ -11,6 +11,9 @@ is sent. From the probes' answers:
   that of the ``window`` probes ``i .. i + window - 1`` at least 95 % were answered 200 (the
   window must fit inside the probe phase; none found: not recovered within it).
 
+A round whose overload phase was not shedding in its last second had nothing to recover
+from: the reports say "not left" for its times and leave it out of the medians and the goal.
+
 The resolution is one probe interval. A probe is the workload's prompt with ``max_tokens``
 4: it asks what an ordinary request would be told, and adds little load itself. Alongside,
 the extproc's own view (``GET /debug/workers``) is sampled at the probe rate: what kept the
@@ -258,9 +261,13 @@ async def measure_recovery(
         for index in range(1, plan.rounds + 1):
             r = await recovery_round(session, stack, cfg, plan, capacity, load, index)
             rounds.append(r)
+            times = (
+                f"first admitted {_s(r.first_admitted_s)}, 95 % admitted {_s(r.admitted_95_s)}"
+                if r.overloaded
+                else "not left (nothing shed in the overload's last second)"
+            )
             log(
-                f"recovery after {load:g}x, round {index}: first admitted "
-                f"{_s(r.first_admitted_s)}, 95 % admitted {_s(r.admitted_95_s)}; overload "
+                f"recovery after {load:g}x, round {index}: {times}; overload "
                 f"{r.overload_rejected} of {r.overload_sent} rejected, "
                 f"{r.running_at_end:.0f} running at its end; rejected probes "
                 f"{r.rejected_reasons}"
