@@ -565,6 +565,33 @@ def test_a_worker_without_slot_or_waiting_counts_learns_its_slots_from_timings()
     assert est.streaming == 4 and est.slots(probe + 0.1) == 4
 
 
+def test_an_engine_that_queues_below_its_slots_is_full_at_what_it_runs() -> None:
+    """vLLM short of KV cache: requests wait while fewer than ``max_num_seqs`` run."""
+    est = WorkerEstimate("w")
+    t = measured(est, 1)
+    est.load(waiting=0, active=3, total=256)
+    assert est.slots(t) == 256 and est.free_slots(t) == 256 - 3
+    est.load(waiting=2, active=3, total=256)
+    assert est.slots(t) == 3 and est.free_slots(t) == 0
+    assert est.rate(t) == pytest.approx(3 / 2.0, rel=0.01)
+    p = predict_ttft(est, 1000, 0, t)
+    assert not p.can_start and p.ahead == 2
+
+
+def test_a_worker_reporting_waiting_but_no_slots_learns_them_and_is_not_gateway_only() -> None:
+    est = WorkerEstimate("w")
+    t = measured(est, 1)
+    est.load(waiting=0, active=0)
+    assert not est.gateway_only and est.slots(t) is None and est.free_slots(t) is None
+    est.dispatched("a", 1000, t)
+    est.first_byte("a", t + 0.1)
+    est.dispatched("b", 1000, t + 0.2)  # sent to a presumed free slot; it waits
+    est.first_byte("b", t + 1.5)
+    assert est.slots(t + 1.5) == 1
+    est.load(waiting=0, active=2)  # the engine says 2 run at once
+    assert est.slots(t + 1.5) == 2
+
+
 def test_target_unreachable_is_shown_with_the_idle_ttft() -> None:
     est = WorkerEstimate("w")
     t = measured(est, 1)
