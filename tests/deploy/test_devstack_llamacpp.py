@@ -1,12 +1,12 @@
 """``make demo ENGINE=llamacpp``: the local stack on two real llama.cpp engines.
 
 The demo (``python -m extproc.devstack --engine llamacpp --free-ports``) comes up with two
-``llama-server`` processes serving SmolLM2 and their agents; a chat through Envoy gets
-generated text; with both slots of both engines generating long answers every worker is busy
-by its KV use and the answer is a 529, with ``/debug/workers`` naming the check; a dead engine,
-then a dead agent, is reported and restarted like a simulated worker; Ctrl-C stops
-everything. Without the engine installed the module fails under CI and skips elsewhere,
-saying why.
+llama.cpp engines (``python -m llmworker.llama_server``) serving SmolLM2 and their agents; a
+chat through Envoy gets generated text; with both slots of both engines generating long
+answers every worker is busy by its KV use and the answer is a 529, with ``/debug/workers``
+naming the check; a dead engine, then a dead agent, is reported and restarted like a
+simulated worker; Ctrl-C stops everything. Without the engine installed the module fails
+under CI and skips elsewhere, saying why.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.devstack import get_json, http, wait_until
+from extproc.devstack.llamacpp import is_engine
 from tests.deploy.test_devstack import Demo, _children, _gone
 from tests.support.engine import require_engine
 
@@ -67,7 +68,7 @@ def _processes(demo: Demo) -> dict[str, int]:
             continue
         if "--worker-id" in argv:
             named[argv[argv.index("--worker-id") + 1] + "-agent"] = pid
-        elif Path(argv[0]).name == "llama-server":
+        elif is_engine(argv):
             port = argv[argv.index("--port") + 1]
             worker = next(w for w, u in demo.worker_urls.items() if u.endswith(f":{port}"))
             named[worker] = pid

@@ -7,15 +7,16 @@ import os
 
 import pytest
 
-from extproc.devstack.llamacpp import EngineMissing, llama_server_binary, smollm2_model
+from extproc.devstack.llamacpp import EngineMissing, engine_command, smollm2_model
 
 
 def require_engine(also_missing: str | None = None) -> None:
-    """Call at module level: fail under CI (``CI`` set) when llama-server or the SmolLM2
-    model is not installed (or ``also_missing`` names something else that is not), skip
-    the module with the reason otherwise."""
+    """Call at module level: fail under CI (``CI`` set) when the engine (xllamacpp, or the
+    binary ``LLAMA_SERVER`` names) or the SmolLM2 model is not installed (or
+    ``also_missing`` names something else that is not), skip the module with the reason
+    otherwise."""
     try:
-        llama_server_binary()
+        engine_command()
         smollm2_model()
         missing = also_missing
     except EngineMissing as exc:
