@@ -76,6 +76,9 @@ log = logging.getLogger("extproc.transport.h2server")
 
 # What we accept: frames up to 1 MiB, 4 MiB of unread data per stream.
 OUR_MAX_FRAME = 1 << 20
+# A reply message larger than this is written at once (a full-duplex request body sent
+# back), so that the replies to one read do not pile up in memory before one write.
+FLUSH_LARGE = 256 * 1024
 OUR_STREAM_WINDOW = 4 << 20
 # Streams at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS); more are refused.
 # High, because a refused ext_proc stream fails (Envoy may open streams before it has read
@@ -560,20 +563,22 @@ class H2Connection(asyncio.Protocol):
         if st.outbox:
             st.outbox.append(data)
             return
-        self._send_data(st, data)
+        if self._send_data(st, data) and len(data) > FLUSH_LARGE:
+            self._flush()  # written now rather than gathered with the read's other replies
 
     def _send_data(self, st: _Stream, data: bytes) -> bool:
         """Send what the windows allow; park the rest. True when all of it went out."""
-        while data:
-            n = min(len(data), self.peer_max_frame, self.send_window, st.window)
+        sent, size = 0, len(data)
+        while sent < size:  # each frame's bytes copied once (a large message has thousands)
+            n = min(size - sent, self.peer_max_frame, self.send_window, st.window)
             if n <= 0:
-                st.outbox.appendleft(data)
+                st.outbox.appendleft(data[sent:])
                 self.blocked.add(st.id)
                 return False
-            self.out.append(frame(DATA, 0, st.id, data[:n]))
+            self.out.append(frame(DATA, 0, st.id, data[sent : sent + n]))
             self.send_window -= n
             st.window -= n
-            data = data[n:]
+            sent += n
         return True
 
     def _drain_blocked(self) -> None:
