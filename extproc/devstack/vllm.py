@@ -39,8 +39,8 @@ from extproc.devstack.procs import (
     wait_until,
 )
 
-VENV = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
-"""The engine's virtualenv (``VLLM_VENV`` overrides it)."""
+VENV = ROOT / (os.environ.get("VLLM_VENV") or ".venv-vllm")
+"""The engine's virtualenv (``VLLM_VENV`` overrides it; relative to the checkout)."""
 MODEL_DIR = VENV / "models" / "smollm2-135m-instruct-bf16"
 """Where the converted model is kept."""
 CONVERTER = Path(__file__).with_name("vllm_model.py")
@@ -133,6 +133,7 @@ class VllmServer(Proc):
     bound by the subscriber) for vLLM's KV events. ``cpus`` binds its compute threads to
     those CPUs (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``; vLLM's default
     binds to the first CPUs, so two engines would share them). ``extra`` goes at the end.
+    ``wait`` False returns at once (then :meth:`wait_ready`), to start several together.
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class VllmServer(Proc):
         cpus: str | None = None,
         extra: Sequence[str] = (),
         ready_timeout: float = 300.0,
+        wait: bool = True,
         append_log: bool = False,
     ) -> None:
         self.port = port or free_port()
@@ -171,8 +173,13 @@ class VllmServer(Proc):
         ]  # fmt: skip
         env = {**ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {})}
         super().__init__(name, args, log_dir, env, new_session=True, append_log=append_log)
+        if wait:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait until ``/health`` answers 200; on failure the server is stopped."""
         try:
-            wait_until(self.healthy, ready_timeout, f"{name} ready on port {self.port}")
+            wait_until(self.healthy, timeout, f"{self.name} ready on port {self.port}")
         except WaitTimeout as exc:
             self.stop()
             raise WaitTimeout(f"{exc}; its log:\n{self.log()[-4000:]}") from None

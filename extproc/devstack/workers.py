@@ -4,8 +4,9 @@ A :class:`WorkerKind` knows how to start one worker (its processes: an engine, a
 real engine the sidecar agent beside it) and how to tell that it serves. A
 :class:`WorkerSlot` is one worker of the demo (id and port, fixed for its lifetime): it
 starts the kind's processes, notices when one of them exits and starts them again on
-request. Two kinds: the simulated engine (:class:`SimWorkers`) and llama.cpp's
-``llama-server`` with its sidecar agent (:class:`LlamaCppWorkers`).
+request. Three kinds: the simulated engine (:class:`SimWorkers`), llama.cpp's
+``llama-server`` with its sidecar agent (:class:`LlamaCppWorkers`), and vLLM with its
+sidecar agent (:class:`VllmWorkers`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from typing import Protocol
 
 from extproc.devstack.llamacpp import LlamaServer
 from extproc.devstack.procs import AgentProcess, Proc, SimProcess, answers, cli_flags, wait_until
+from extproc.devstack.vllm import BLOCK_SIZE as VLLM_BLOCK_SIZE
+from extproc.devstack.vllm import VllmServer
 
 START_TIMEOUT = 20.0
 """Seconds a worker has to serve after its start (the simulated engine needs about one)."""
 ENGINE_LOAD_TIMEOUT = 60.0
 """Seconds llama-server has to load SmolLM2 (1-3 s here; more with both cores busy)."""
+VLLM_START_TIMEOUT = 300.0
+"""Seconds a vLLM worker has to serve (30-60 s here with two starting at once)."""
 
 
 class WorkerKind(Protocol):
@@ -33,6 +38,11 @@ class WorkerKind(Protocol):
 
     def serving(self, port: int) -> bool:
         """True once the worker answers on ``port``."""
+        ...
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds a worker of this kind has to serve after its start."""
         ...
 
 
@@ -72,6 +82,10 @@ class SimWorkers:
 
     def serving(self, port: int) -> bool:
         return answers(f"http://127.0.0.1:{port}/health")
+
+    @property
+    def start_timeout(self) -> float:
+        return START_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,81 @@ class LlamaCppWorkers:
     def serving(self, port: int) -> bool:
         return answers(f"http://127.0.0.1:{port}/health")
 
+    @property
+    def start_timeout(self) -> float:
+        return START_TIMEOUT
+
+
+@dataclass(frozen=True)
+class VllmWorkers:
+    """vLLM serving SmolLM2 on the worker's port (:class:`~extproc.devstack.vllm.VllmServer`:
+    ``max_num_seqs`` sequences of at most ``max_model_len`` tokens, a KV cache of
+    ``num_gpu_blocks`` blocks of 128 tokens), and beside it the sidecar agent (``python -m
+    llmworker.agent --engine vllm``) publishing its load to ``publish``. The agent starts at
+    once and announces the worker after its first good scrape, once vLLM serves. Each worker
+    has its compute threads on a CPU of its own (``cpus``, by the worker's index), when there
+    are enough."""
+
+    model: str
+    publish: str
+    max_model_len: int = 1024
+    max_num_seqs: int = 4
+    num_gpu_blocks: int | None = 17
+    max_num_queued_reqs: int | None = None
+    cpus: tuple[str, ...] = ()
+    interval: float = 0.2
+
+    def agent_args(self, worker_id: str, port: int) -> list[str]:
+        engine = f"127.0.0.1:{port}"
+        return cli_flags(
+            engine="vllm",
+            engine_url=f"http://{engine}",
+            model=self.model,
+            endpoint=engine,
+            worker_id=worker_id,
+            interval=self.interval,
+            publish=self.publish,
+        )
+
+    def start(self, worker_id: str, port: int, log_dir: Path, *, append_log: bool) -> list[Proc]:
+        index = int(worker_id.rsplit("-", 1)[-1]) - 1 if worker_id[-1:].isdigit() else 0
+        engine = VllmServer(
+            log_dir,
+            name=worker_id,
+            port=port,
+            served_model=self.model,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            num_gpu_blocks_override=self.num_gpu_blocks,
+            max_num_queued_reqs=self.max_num_queued_reqs,
+            cpus=self.cpus[index % len(self.cpus)] if self.cpus else None,
+            wait=False,
+            append_log=append_log,
+        )
+        try:
+            agent = AgentProcess(
+                self.agent_args(worker_id, port),
+                log_dir=log_dir,
+                name=f"{worker_id}-agent",
+                new_session=True,
+                append_log=append_log,
+            )
+        except BaseException:
+            engine.stop()
+            raise
+        return [engine, agent]
+
+    def serving(self, port: int) -> bool:
+        return answers(f"http://127.0.0.1:{port}/health")
+
+    @property
+    def start_timeout(self) -> float:
+        return VLLM_START_TIMEOUT
+
+    @property
+    def block_size(self) -> int:
+        return VLLM_BLOCK_SIZE
+
 
 def exit_status(code: int) -> str:
     """``-9`` -> ``killed by SIGKILL``, ``1`` -> ``exit status 1``."""
@@ -161,8 +250,18 @@ class WorkerSlot:
     def start(self, log_dir: Path) -> None:
         """Start the worker and wait until it serves; on failure nothing of it is left
         running and the error (an AssertionError) says why."""
+        self.launch(log_dir)
+        self.wait_serving()
+
+    def launch(self, log_dir: Path) -> None:
+        """Start the worker's processes without waiting for it to serve (several workers
+        then start at once; :meth:`wait_serving` waits)."""
         self.procs = self.kind.start(self.worker_id, self.port, log_dir, append_log=self.starts > 0)
         self.starts += 1
+
+    def wait_serving(self) -> None:
+        """Wait until the launched worker serves; on failure it is stopped and the error
+        (an AssertionError) says why."""
 
         def up() -> bool:
             for proc in self.procs:
@@ -170,7 +269,7 @@ class WorkerSlot:
             return self.kind.serving(self.port)
 
         try:
-            wait_until(up, START_TIMEOUT, f"{self.worker_id} up")
+            wait_until(up, self.kind.start_timeout, f"{self.worker_id} up")
         except BaseException:
             self.stop()
             raise
