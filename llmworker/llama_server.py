@@ -228,8 +228,11 @@ def serve(opts: Options) -> int:
     try:
         import xllamacpp
     except ImportError as exc:
+        needs = (
+            " (it needs libgomp.so.1: apt-get install libgomp1)" if "libgomp" in str(exc) else ""
+        )
         print(
-            f"{PROG}: xllamacpp is not installed ({exc}): pip install "
+            f"{PROG}: xllamacpp does not load: {exc}{needs}; pip install "
             f"'envoy-llm-shedder[engine]', or set {ENV_BINARY}=/path/to/llama-server",
             file=sys.stderr,
         )

@@ -32,6 +32,7 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "make engine (make test does it too)"
 LAUNCHER = "llmworker.llama_server"
 """The module that runs the engine with llama-server's flags (started, never imported)."""
+LIBGOMP_HINT = "the OpenMP runtime libgomp.so.1 (Debian, Ubuntu: apt-get install libgomp1)"
 ENV_BINARY = "LLAMA_SERVER"
 """Names a ``llama-server`` binary that the launcher execs instead of its own server."""
 
@@ -53,8 +54,13 @@ def engine_command() -> list[str]:
     else:
         try:
             import xllamacpp  # noqa: F401  (loads its library: a broken install shows here)
+        except ModuleNotFoundError as exc:
+            if exc.name != "xllamacpp":
+                raise EngineMissing(f"xllamacpp does not load: {exc}") from None
+            raise EngineMissing(f"xllamacpp is not installed: {INSTALL_HINT}") from None
         except ImportError as exc:
-            raise EngineMissing(f"xllamacpp is not installed ({exc}): {INSTALL_HINT}") from None
+            hint = f"; it needs {LIBGOMP_HINT}" if "libgomp" in str(exc) else ""
+            raise EngineMissing(f"xllamacpp does not load: {exc}{hint}") from None
     return python_module(LAUNCHER)
 
 

@@ -361,26 +361,37 @@ def test_llama_demo_turns_the_kv_check_on_unless_a_threshold_is_given(
     assert _llama_thresholds([]) == on
 
 
-@pytest.mark.parametrize("missing", ["xllamacpp", "LLAMA_SERVER"])
-def test_llama_demo_without_the_engine_says_what_to_install(tmp_path: Path, missing: str) -> None:
-    """No xllamacpp importable, or LLAMA_SERVER naming no file: exit 2 naming what to
-    install or set, nothing started."""
-    fake = tmp_path / "fake"
-    (fake / "xllamacpp").mkdir(parents=True)
-    (fake / "xllamacpp" / "__init__.py").write_text("raise ImportError('not built')\n")
+@pytest.mark.parametrize(
+    ("missing", "expected"),
+    [
+        ("ModuleNotFoundError(\"No module named 'xllamacpp'\", name='xllamacpp')",
+         "xllamacpp is not installed: make engine"),
+        ("ImportError('libgomp.so.1: cannot open shared object file')",
+         "xllamacpp does not load: libgomp.so.1: cannot open shared object file; it needs the "
+         "OpenMP runtime libgomp.so.1 (Debian, Ubuntu: apt-get install libgomp1)"),
+        ("LLAMA_SERVER", "LLAMA_SERVER={tmp}/llama-server does not exist"),
+    ],
+    ids=["not-installed", "no-libgomp", "no-binary"],
+)  # fmt: skip
+def test_llama_demo_without_the_engine_says_what_to_install(
+    tmp_path: Path, missing: str, expected: str
+) -> None:
+    """xllamacpp not installed or not loading, or LLAMA_SERVER naming no file: exit 2 naming
+    what to install or set, nothing started."""
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_SERVER"}
-    if missing == "xllamacpp":
-        env["PYTHONPATH"] = str(fake)
-        expected = "xllamacpp is not installed (not built): make engine"
-    else:
+    if missing == "LLAMA_SERVER":
         env["LLAMA_SERVER"] = str(tmp_path / "llama-server")
-        expected = f"LLAMA_SERVER={tmp_path / 'llama-server'} does not exist"
+    else:  # a package of that name first on the path, failing as the real one would
+        fake = tmp_path / "fake"
+        (fake / "xllamacpp").mkdir(parents=True)
+        (fake / "xllamacpp" / "__init__.py").write_text(f"raise {missing}\n")
+        env["PYTHONPATH"] = str(fake)
     run = subprocess.run(
         [sys.executable, "-m", "extproc.devstack", "--engine", "llamacpp",
          "--logs", str(tmp_path / "logs")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2, run
-    assert expected in run.stderr, run.stderr
+    assert expected.format(tmp=tmp_path) in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "logs").exists()
