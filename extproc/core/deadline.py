@@ -38,8 +38,10 @@ router ahead of it::
   requests that started on a free slot (the others include a wait). ``tokens`` is the
   request's prompt plus ``pending``: the prompt tokens of the requests already started on
   that worker and not yet at their first token, which the engine prefills in the same
-  batches before or with it. A sample's residual is clipped to ``CLIP`` times the mean
-  absolute residual, so one stall does not throw the fit; the overhead and cost stay >= 0.
+  batches before or with it; for a request that must wait for a slot, the mean ``pending``
+  that requests started with lately (what it will likely share when it starts). A sample's
+  residual is clipped to ``CLIP`` times the mean absolute residual, so one stall does not
+  throw the fit; the overhead and cost stay >= 0.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -61,8 +63,9 @@ near ``(n + WAIT_Z x sqrt(n)) / rate``, and the prefill fit is off by up to ``PR
 mean absolute residuals. Among the workers that can start the request now, the one with the
 smallest predicted TTFT that fits gets it (a slot never sits idle while a request that fits
 waits); otherwise, if the smallest prediction of all fits, the request is held in the router
-until a slot frees (earliest deadline first, ``core/held.py``), its deadline the latest
-dispatch that leaves room for its prefill and the gateway; otherwise it is rejected at once,
+until a slot frees on one of the workers predicted to fit (earliest deadline first,
+``core/held.py``), its deadline the latest dispatch that leaves room for its prefill and the
+gateway on the slowest of them; otherwise it is rejected at once,
 with Retry-After and retry-after-ms from the smallest predicted wait.
 
 How the request path uses it: one :class:`WorkerEstimate` per worker, told of every
@@ -70,9 +73,10 @@ dispatch, first body byte, stream end and load report. For a request: ``held_ahe
 :meth:`HeldQueue.ahead_of` its would-be deadline (arrival + target - the smallest
 :meth:`WorkerEstimate.idle_ttft`), then :func:`predict_all` over the candidate workers (not
 busy by the thresholds, which stay ceilings) and :func:`decide`. A :class:`Hold` is pushed on
-the model's :class:`HeldQueue`; on every stream end, load report and held deadline the path
-calls :meth:`HeldQueue.expire` (those answer the overload reply) and
-:func:`~extproc.core.held.fill_slots` with each worker's :meth:`WorkerEstimate.free_slots`.
+the model's :class:`HeldQueue` with its deadline and workers. On every stream end, load
+report and held deadline, the path calls :meth:`HeldQueue.expire` (those get the overload
+reply) and :func:`~extproc.core.held.fill_slots` with each worker's
+:meth:`WorkerEstimate.free_slots`, and dispatches what it returns.
 
 Pure: plain values, times passed in, no I/O.
 """
@@ -95,9 +99,9 @@ QUEUE_FACTOR = 2.0  # a first byte later than this x the predicted prefill ...
 QUEUE_MARGIN = 0.05  # ... + this (s) means the request waited for a slot
 PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request past its slots
 # A prediction's spread, which admission judges a request on (the module's rule). Measured
-# on the plant of tests/core/plant.py at 3x its capacity with a 1 s target: without it, 24 %
+# on the plant of tests/core/plant.py at 3x its capacity with a 1 s target: without it, 21 %
 # of the admitted requests were held past their deadline (a late rejection) and the p99 TTFT
-# was 1.05-1.08 s; with it, 3-4 % and 0.92-0.95 s, the plant as busy as with all let in.
+# was 0.99-1.01 s; with it, 3-4 % and 0.88-0.90 s, the plant as busy as with all let in.
 WAIT_Z = 1.28
 PREFILL_MARGIN = 2.0
 MAX_RETRY_AFTER = 60
@@ -195,6 +199,7 @@ class WorkerEstimate:
         self.gateway = Ewma()
         self.decode_per_token = Ewma()  # s per output token, for diagnostics
         self.prompt_tokens = Ewma()  # the typical prompt, for diagnostics
+        self.shared = Ewma()  # pending tokens a request started with: a later start's share
         self.engine_ttft_s = Ewma()
         # The engine's last load report; None = not reported.
         self.waiting: int | None = None
@@ -237,6 +242,8 @@ class WorkerEstimate:
             self.fit.predict(prompt_tokens + pending),
         )
         self.prompt_tokens.add(prompt_tokens)
+        if free:
+            self.shared.add(pending)
         if arrived is not None:
             self.gateway.add(max(0.0, now - arrived - held))
 
@@ -452,7 +459,7 @@ def predict_ttft(
         wait = None if rate is None else (ahead + 1) / rate
         if rate is not None:
             wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
-        prefill = est.fit.predict(prompt_tokens)
+        prefill = est.fit.predict(prompt_tokens + (est.shared.get() or 0.0))
     return Prediction(
         est.worker,
         None if wait is None else wait + prefill + gateway,
@@ -540,13 +547,14 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """Hold the request in the router until a slot frees; ``worker``: where it is predicted
-    to go (it goes to whichever eligible worker frees a slot first); ``deadline``: the latest
-    dispatch that still meets the target."""
+    """Hold the request in the router until a slot frees on one of ``workers`` (those
+    predicted to fit); ``worker``: the one predicted to free first; ``deadline``: the latest
+    dispatch that still meets the target on any of them."""
 
     worker: str
     wait: float
     deadline: float
+    workers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,9 +610,9 @@ def decide(
         return Dispatch(best.worker, best)
     if fits:
         best = min(fits, key=_ttft)
-        wait = best.wait or 0.0
-        deadline = start + target_s - best.prefill - best.gateway - best.prefill_spread
-        return Hold(best.worker, wait, deadline)
+        slowest = max(p.prefill + p.gateway + p.prefill_spread for p in fits)
+        workers = frozenset(p.worker for p in fits)
+        return Hold(best.worker, best.wait or 0.0, start + target_s - slowest, workers)
     idle = min(p.idle for p in predictions)
     waits = [p.wait for p in predictions if p.wait is not None]
     return Reject(min(waits) if waits else None, idle > left, idle)

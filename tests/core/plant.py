@@ -1,14 +1,15 @@
-"""A plant that queues, for the deadline predictor's tests: one engine, simulated by events.
+"""A plant that queues, for the deadline predictor's tests: engines simulated by events.
 
-- ``slots`` requests run at once; the others wait at the engine, first come first served.
-- A request that gets a slot is prefilled in a shared, serial prefill stage (continuous
-  batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``, then its
-  first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
-  ``decode_s_per_token`` and frees its slot.
+- Each engine runs ``slots`` requests at once; the others wait at it, first come first served.
+- A request that gets a slot is prefilled in the engine's shared, serial prefill stage
+  (continuous batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``,
+  then its first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
+  ``decode_s_per_token`` and frees its slot. ``slowdown`` multiplies both per-token costs
+  (a worker that becomes slower: :meth:`Sim.slow_down`).
 - Arrivals are Poisson (seeded), prompt and output lengths uniform.
-- The router sees each request ``gateway_s`` after it arrives (its own delay), and what the
-  engine does ``net_s`` later (the network). The engine reports its waiting, running and
-  slot counts after every change, unless ``reports`` is off (a worker that reports none).
+- The router sees each request ``gateway_s`` after it arrives (its own delay), and what an
+  engine does ``net_s`` later (the network). An engine reports its waiting, running and slot
+  counts after every change, unless ``reports`` is off (a worker that reports none).
 
 The router under test is a callback object (:class:`Router`); the plant calls it on every
 event with the current time and records the true TTFT each client sees.
@@ -58,6 +59,7 @@ class Request:
     ended: float | None = None
     outcome: str = "pending"  # dispatched, held, rejected, expired
     predicted: float | None = None
+    worker: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -65,55 +67,113 @@ class Request:
 
 
 class Router:
-    """What the plant calls; override what the test needs."""
+    """What the plant calls; by default every request goes to the first engine at once."""
 
-    def arrive(self, plant: Plant, req: Request, now: float) -> None:
-        plant.dispatch(req, now)
+    def arrive(self, sim: Sim, req: Request, now: float) -> None:
+        next(iter(sim.engines.values())).dispatch(req, now)
 
-    def first_byte(self, plant: Plant, req: Request, now: float) -> None:
+    def first_byte(self, engine: Engine, req: Request, now: float) -> None:
         pass
 
-    def ended(self, plant: Plant, req: Request, now: float) -> None:
+    def ended(self, engine: Engine, req: Request, now: float) -> None:
         pass
 
-    def load(self, plant: Plant, waiting: int, active: int, total: int, now: float) -> None:
+    def load(self, engine: Engine, waiting: int, active: int, total: int, now: float) -> None:
         pass
 
-    def timer(self, plant: Plant, now: float) -> None:
-        pass
+
+class Engine:
+    """One worker's engine."""
+
+    def __init__(self, sim: Sim, name: str, params: Params) -> None:
+        self.sim, self.name, self.params = sim, name, params
+        self.waiting: deque[Request] = deque()
+        self.running = 0
+        self.prefill_free_at = 0.0
+        self.slowdown = 1.0
+
+    def dispatch(self, req: Request, now: float) -> None:
+        """The router sends ``req`` here now."""
+        req.outcome, req.worker = "dispatched", self.name
+        self.sim.at(now + self.params.net_s, partial(self._receive, req))
+
+    def _receive(self, req: Request, now: float) -> None:
+        if self.running < self.params.slots:
+            self._start(req, now)
+        else:
+            self.waiting.append(req)
+        self._report(now)
+
+    def _start(self, req: Request, now: float) -> None:
+        self.running += 1
+        p = self.params
+        prefill = req.prompt * p.prefill_s_per_token * self.slowdown
+        done = max(now, self.prefill_free_at) + prefill
+        self.prefill_free_at = done
+        first = done + p.overhead_s
+        end = first + req.output * p.decode_s_per_token * self.slowdown
+        self.sim.at(first + p.net_s, partial(self._first, req))
+        self.sim.at(end, partial(self._end, req))
+
+    def _first(self, req: Request, now: float) -> None:
+        req.first_token = now
+        self.sim.router.first_byte(self, req, now)
+
+    def _end(self, req: Request, now: float) -> None:
+        self.running -= 1
+        if self.waiting:
+            self._start(self.waiting.popleft(), now)
+        self._report(now)
+        self.sim.at(now + self.params.net_s, partial(self._seen_end, req))
+
+    def _seen_end(self, req: Request, now: float) -> None:
+        req.ended = now
+        self.sim.router.ended(self, req, now)
+
+    def _report(self, now: float) -> None:
+        if self.params.reports:
+            counts = (len(self.waiting), self.running, self.params.slots)
+            self.sim.at(now + self.params.net_s, partial(self._deliver, counts))
+
+    def _deliver(self, counts: tuple[int, int, int], now: float) -> None:
+        self.sim.router.load(self, *counts, now)
 
 
 @dataclass
-class Plant:
+class Sim:
+    """Engines named ``w0``, ``w1``... with ``params`` each, and the arrivals."""
+
     params: Params
     router: Router
     seed: int = 1
+    workers: int = 1
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.events: list[tuple[float, int, Callable[[float], None]]] = []
         self.seq = itertools.count()
-        self.waiting: deque[Request] = deque()
-        self.running = 0
-        self.prefill_free_at = 0.0
-        self.busy_time = 0.0  # slot-seconds in use, for utilisation
-        self.last_change = 0.0
+        self.engines = {f"w{i}": Engine(self, f"w{i}", self.params) for i in range(self.workers)}
 
-    # ----- scheduling ------------------------------------------------------------------
+    def capacity(self) -> float:
+        return self.workers * self.params.capacity()
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn))
 
+    def slow_down(self, at: float, worker: str, factor: float) -> None:
+        """From ``at`` on, ``worker`` takes ``factor`` times as long per token."""
+        self.at(at, lambda now: setattr(self.engines[worker], "slowdown", factor))
+
     def run(self, rate: Callable[[float], float], until: float) -> list[Request]:
         """Poisson arrivals at ``rate(t)`` per second until ``until``; then drain."""
         t = 0.0
+        lo, hi = self.params.prompt_tokens
+        olo, ohi = self.params.output_tokens
         while True:
             t += self.rng.expovariate(rate(t))
             if t >= until:
                 break
-            lo, hi = self.params.prompt_tokens
-            olo, ohi = self.params.output_tokens
             req = Request(
                 len(self.requests), t, self.rng.randint(lo, hi), self.rng.randint(olo, ohi)
             )
@@ -126,56 +186,3 @@ class Plant:
 
     def _arrive(self, req: Request, now: float) -> None:
         self.router.arrive(self, req, now)
-
-    # ----- the engine --------------------------------------------------------------------
-
-    def dispatch(self, req: Request, now: float) -> None:
-        """The router sends ``req`` to the engine now."""
-        req.outcome = "dispatched"
-        self.at(now + self.params.net_s, lambda t: self._receive(req, t))
-
-    def _account(self, now: float) -> None:
-        self.busy_time += self.running * (now - self.last_change)
-        self.last_change = now
-
-    def _receive(self, req: Request, now: float) -> None:
-        if self.running < self.params.slots:
-            self._start(req, now)
-        else:
-            self.waiting.append(req)
-        self._report(now)
-
-    def _start(self, req: Request, now: float) -> None:
-        self._account(now)
-        self.running += 1
-        p = self.params
-        done = max(now, self.prefill_free_at) + req.prompt * p.prefill_s_per_token
-        self.prefill_free_at = done
-        first = done + p.overhead_s
-        end = first + req.output * p.decode_s_per_token
-        self.at(first + p.net_s, lambda t: self._first(req, t))
-        self.at(end, lambda t: self._end(req, t))
-
-    def _first(self, req: Request, now: float) -> None:
-        req.first_token = now
-        self.router.first_byte(self, req, now)
-
-    def _end(self, req: Request, now: float) -> None:
-        self._account(now)
-        self.running -= 1
-        if self.waiting:
-            self._start(self.waiting.popleft(), now)
-        self._report(now)
-        self.at(now + self.params.net_s, lambda t: self._seen_end(req, t))
-
-    def _seen_end(self, req: Request, now: float) -> None:
-        req.ended = now
-        self.router.ended(self, req, now)
-
-    def _report(self, now: float) -> None:
-        if self.params.reports:
-            waiting, active = len(self.waiting), self.running
-            self.at(
-                now + self.params.net_s,
-                lambda t: self.router.load(self, waiting, active, self.params.slots, t),
-            )

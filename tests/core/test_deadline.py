@@ -9,12 +9,12 @@ prompts of 100-2000 tokens at 0.1 ms each, 20-300 output tokens at 10 ms each):
 ======================================  ==============  ==============  ================
 load (x the plant's capacity)           this predictor  queue-blind     mean of last 32
 ======================================  ==============  ==============  ================
-0.6 / 1.3 alternating every 30 s        median 7-8 %    median 98 %     median 41-46 %
+0.6 / 1.3 alternating every 30 s        median 7-8 %    median 97-98 %  median 41-46 %
                                         p90 17-23 %     p90 99 %        p90 98-160 %
 same, no load reports (gateway only)    the same to     the same        the same
                                         0.1 point
-steady 0.9                              median 15-16 %  median 89-91 %  median 47-56 %
-                                        p90 46-53 %     p90 96-98 %     p90 330-350 %
+steady 0.9                              median 15-16 %  median 85-87 %  median 47-56 %
+                                        p90 49-57 %     p90 94-96 %     p90 330-350 %
 ======================================  ==============  ==============  ================
 
 At a steady load the error is mostly the wait for one or two completions, which is random
@@ -51,32 +51,33 @@ from extproc.core.deadline import (
     predict_ttft,
 )
 from extproc.core.held import HeldQueue, fill_slots
-from tests.core.plant import Params, Plant, Request, Router
+from tests.core.plant import Engine, Params, Request, Router, Sim
 
 # ----- the predictor against the plant ------------------------------------------------------
 
 
 class Predicting(Router):
-    """Dispatches everything at once; records this predictor's TTFT for each request."""
+    """Dispatches everything at once to one engine; records this predictor's TTFT for each
+    request."""
 
     def __init__(self) -> None:
-        self.est = WorkerEstimate("w")
+        self.est = WorkerEstimate("w0")
 
     def predict(self, req: Request, now: float) -> float | None:
         return predict_ttft(self.est, req.prompt, 0, now).ttft
 
-    def arrive(self, plant: Plant, req: Request, now: float) -> None:
+    def arrive(self, sim: Sim, req: Request, now: float) -> None:
         req.predicted = self.predict(req, now)
         self.est.dispatched(req.rid, req.prompt, now, arrived=req.arrived)
-        plant.dispatch(req, now)
+        sim.engines["w0"].dispatch(req, now)
 
-    def first_byte(self, plant: Plant, req: Request, now: float) -> None:
+    def first_byte(self, engine: Engine, req: Request, now: float) -> None:
         self.est.first_byte(req.rid, now)
 
-    def ended(self, plant: Plant, req: Request, now: float) -> None:
+    def ended(self, engine: Engine, req: Request, now: float) -> None:
         self.est.ended(req.rid, now, req.output)
 
-    def load(self, plant: Plant, waiting: int, active: int, total: int, now: float) -> None:
+    def load(self, engine: Engine, waiting: int, active: int, total: int, now: float) -> None:
         self.est.load(waiting, active, total)
 
 
@@ -99,8 +100,8 @@ class RecentMean(Predicting):
         last = self.recent[-32:]
         return sum(last) / len(last) if last else None
 
-    def first_byte(self, plant: Plant, req: Request, now: float) -> None:
-        super().first_byte(plant, req, now)
+    def first_byte(self, engine: Engine, req: Request, now: float) -> None:
+        super().first_byte(engine, req, now)
         self.recent.append(now - req.arrived)
 
 
@@ -112,7 +113,7 @@ def errors(
     router: Predicting, params: Params, rate: Callable[[float], float], seed: int
 ) -> tuple[float, float]:
     """Median and 90th percentile of the relative error, after 60 s of warm-up."""
-    reqs = Plant(params, router, seed).run(rate, 600.0)
+    reqs = Sim(params, router, seed).run(rate, 600.0)
     errs = sorted(
         abs(r.predicted - r.ttft) / r.ttft
         for r in reqs
@@ -176,70 +177,109 @@ def test_a_predictor_blind_to_the_queue_fails_the_same_bounds(
 TARGET = 1.0
 
 
-class Admitting(Predicting):
-    """Deadline admission on one worker: dispatch, hold (earliest deadline first) or
-    reject each request; fill every slot that frees from the held queue."""
+class LetAllIn(Router):
+    """No admission: every request to the engine with the fewest requests."""
+
+    def arrive(self, sim: Sim, req: Request, now: float) -> None:
+        engine = min(sim.engines.values(), key=lambda e: e.running + len(e.waiting))
+        engine.dispatch(req, now)
+
+
+class Admitting(Router):
+    """Deadline admission over the plant's engines: dispatch, hold (earliest deadline first,
+    one queue for all) or reject each request; fill every slot that frees from the queue."""
 
     def __init__(self, target: float = TARGET, blind: bool = False) -> None:
-        super().__init__()
         self.target = target
         self.blind = blind
+        self.est: dict[str, WorkerEstimate] = {}
         self.held = HeldQueue()
         self.reqs: dict[Hashable, Request] = {}
 
-    def send(self, plant: Plant, req: Request, now: float, held: float = 0.0) -> None:
-        req.outcome = "dispatched"
-        self.est.dispatched(req.rid, req.prompt, now, arrived=req.arrived, held=held)
-        plant.dispatch(req, now)
+    def estimates(self, sim: Sim) -> list[WorkerEstimate]:
+        for name in sim.engines:
+            self.est.setdefault(name, WorkerEstimate(name))
+        return list(self.est.values())
 
-    def pump(self, plant: Plant, now: float) -> None:
+    def send(self, sim: Sim, worker: str, req: Request, now: float, held: float = 0.0) -> None:
+        self.est[worker].dispatched(req.rid, req.prompt, now, arrived=req.arrived, held=held)
+        sim.engines[worker].dispatch(req, now)
+
+    def pump(self, sim: Sim, now: float) -> None:
         for h in self.held.expire(now):
             self.reqs[h.key].outcome = "expired"
-        slots = self.est.slots(now)
-        free = 10**9 if slots is None else slots - self.est.occupancy()
-        for h, _ in fill_slots(self.held, {"w": free}):
-            self.send(plant, self.reqs[h.key], now, now - h.since)
+        if not self.held:
+            return
+        free = {}
+        for est in sorted(self.estimates(sim), key=lambda e: -(e.rate(now) or 0.0)):
+            n = est.free_slots(now)
+            free[est.worker] = 10**9 if n is None else n
+        for h, worker in fill_slots(self.held, free):
+            self.send(sim, worker, self.reqs[h.key], now, now - h.since)
 
-    def arrive(self, plant: Plant, req: Request, now: float) -> None:
+    def arrive(self, sim: Sim, req: Request, now: float) -> None:
         self.reqs[req.rid] = req
-        self.pump(plant, now)
-        ahead = self.held.ahead_of(req.arrived + self.target - self.est.idle_ttft(req.prompt))
-        preds = predict_all([self.est], req.prompt, ahead, now)
+        self.pump(sim, now)
+        ests = self.estimates(sim)
+        idle = min(e.idle_ttft(req.prompt) for e in ests)
+        ahead = self.held.ahead_of(req.arrived + self.target - idle)
+        preds = predict_all(ests, req.prompt, ahead, now)
         if self.blind:
             preds = [
                 replace(p, ttft=p.prefill + p.gateway, wait=0.0, can_start=True) for p in preds
             ]
         d = decide(preds, self.target, now, arrived=req.arrived)
         if isinstance(d, Dispatch):
-            self.send(plant, req, now)
+            self.send(sim, d.worker, req, now)
         elif isinstance(d, Hold):
             req.outcome = "held"
-            self.held.push(req.rid, d.deadline, now)
-            plant.at(d.deadline + 1e-9, lambda t: self.pump(plant, t))
+            self.held.push(req.rid, d.deadline, now, d.workers)
+            sim.at(d.deadline + 1e-9, lambda t: self.pump(sim, t))
         else:
             req.outcome = "rejected"
 
-    def ended(self, plant: Plant, req: Request, now: float) -> None:
-        super().ended(plant, req, now)
-        self.pump(plant, now)
+    def first_byte(self, engine: Engine, req: Request, now: float) -> None:
+        self.est[engine.name].first_byte(req.rid, now)
 
-    def load(self, plant: Plant, waiting: int, active: int, total: int, now: float) -> None:
-        super().load(plant, waiting, active, total, now)
-        self.pump(plant, now)
+    def ended(self, engine: Engine, req: Request, now: float) -> None:
+        self.est[engine.name].ended(req.rid, now, req.output)
+        self.pump(engine.sim, now)
+
+    def load(self, engine: Engine, waiting: int, active: int, total: int, now: float) -> None:
+        self.est[engine.name].load(waiting, active, total)
+        self.pump(engine.sim, now)
 
 
-def admission(router: Router, params: Params, load: float, seed: int) -> dict[str, float]:
-    """Offer ``load`` x capacity for 300 s; judge the requests that arrived after 30 s."""
-    reqs = Plant(params, router, seed).run(lambda t: load * params.capacity(), 300.0)
+def admission(
+    router: Router,
+    params: Params,
+    load: float,
+    seed: int,
+    workers: int = 1,
+    slow: tuple[float, float] | None = None,
+) -> dict[str, float]:
+    """Offer ``load`` x capacity for 300 s (``slow``: from (time, factor) on, the first
+    worker takes factor x as long); judge the requests that arrived after 30 s."""
+    sim = Sim(params, router, seed, workers)
+    if slow is not None:
+        sim.slow_down(slow[0], "w0", slow[1])
+    reqs = sim.run(lambda t: load * sim.capacity(), 300.0)
     window = [r for r in reqs if r.arrived > 30.0]
-    admitted = sorted(r.ttft for r in window if r.outcome == "dispatched" and r.ttft is not None)
+    admitted = [r for r in window if r.outcome == "dispatched" and r.ttft is not None]
+    ttfts = sorted(r.ttft for r in admitted if r.ttft is not None)
     done = sum(1 for r in reqs if r.outcome == "dispatched" and r.ended and 30 < r.ended < 300)
+    # The p99 TTFT of each 5-s window of arrivals; a window with nothing admitted is a miss.
+    windows = []
+    for start in range(30, 300, 5):
+        w = sorted(r.ttft for r in admitted if start <= r.arrived < start + 5 and r.ttft)
+        windows.append(w[int(0.99 * len(w))] if w else float("inf"))
     return {
         "offered": len(window),
-        "admitted": len(admitted),
+        "admitted": len(ttfts),
         "expired": sum(1 for r in window if r.outcome == "expired"),
-        "p99": admitted[int(0.99 * len(admitted))],
+        "p99": ttfts[int(0.99 * len(ttfts))],
         "served_per_s": done / 270.0,
+        "windows_within": sum(1 for v in windows if v <= TARGET) / len(windows),
     }
 
 
@@ -248,13 +288,15 @@ def admission(router: Router, params: Params, load: float, seed: int) -> dict[st
 def test_admission_holds_the_target_at_3x_and_serves_all_that_fits(
     params: Params, seed: int
 ) -> None:
-    """At 3x the plant's capacity: the admitted requests' p99 TTFT within the target, and
-    the plant serves >= 95 % of what it serves with every request let in (all its slots busy
-    all the time). Measured: p99 0.92-0.95 s, 100-103 % served, 3-4 % of the admitted held
-    past their deadline (a late rejection); blind to the queue: p99 2.7-2.9 s."""
-    everything = admission(Router(), params, 3.0, seed)
+    """At 3x the plant's capacity: the admitted requests' p99 TTFT within the target, also
+    in >= 95 % of the 5-s windows, and the plant serves >= 95 % of what it serves with every
+    request let in (all its slots busy all the time). Measured: p99 0.88-0.90 s, windows
+    96-100 %, 101-103 % served, 3-4 % of the admitted held past their deadline (a late
+    rejection); blind to the queue: p99 1.7-2.1 s."""
+    everything = admission(LetAllIn(), params, 3.0, seed)
     got = admission(Admitting(), params, 3.0, seed)
     assert got["p99"] <= TARGET, got
+    assert got["windows_within"] >= 0.95, got
     assert got["served_per_s"] >= 0.95 * everything["served_per_s"], (got, everything)
     assert got["expired"] <= 0.05 * got["admitted"], got
     # The control: without admission, or blind to the queue, the target is not held.
@@ -264,10 +306,27 @@ def test_admission_holds_the_target_at_3x_and_serves_all_that_fits(
 
 
 def test_admission_at_half_load_lets_nearly_everything_in() -> None:
-    """Measured: 626 of 629 admitted, p99 0.45 s against 1 s."""
+    """Measured: 625 of 629 admitted, p99 0.44 s against 1 s."""
     got = admission(Admitting(), P, 0.5, 1)
     assert got["admitted"] >= 0.98 * got["offered"], got
     assert got["p99"] <= TARGET, got
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_two_workers_one_slowing_down_at_3x(seed: int) -> None:
+    """Two workers share one held queue at 3x their capacity; at 150 s one becomes 2x slower.
+    The target holds over the run and in >= 95 % of the 5-s windows; the plant serves >= 95 %
+    of what it serves with every request let in. Measured: p99 0.90-0.91 s, windows 98-100 %,
+    100-102 % served, 6 % of the admitted held past their deadline (2-3 % with no slowdown:
+    a held request waits for the workers whose prefill fits, the slowed one fits fewer)."""
+    everything = admission(LetAllIn(), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
+    got = admission(Admitting(), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
+    assert got["p99"] <= TARGET, got
+    assert got["windows_within"] >= 0.95, got
+    assert got["served_per_s"] >= 0.95 * everything["served_per_s"], (got, everything)
+    assert got["expired"] <= 0.08 * got["admitted"], got
+    blind = admission(Admitting(blind=True), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
+    assert blind["p99"] > TARGET, blind
 
 
 # ----- the decision: a rule table ------------------------------------------------------------
@@ -358,7 +417,7 @@ def test_decision_rules(
 def test_a_hold_deadline_leaves_room_for_the_prefill_and_counts_from_arrival() -> None:
     p = replace(pred(ttft=0.7, wait=0.45, can_start=False, prefill=0.2, gateway=0.05), idle=0.25)
     d = decide([p], 1.0, now=100.3, arrived=100.0)
-    assert d == Hold("a", 0.45, 100.0 + 1.0 - 0.2 - 0.05)
+    assert d == Hold("a", 0.45, 100.0 + 1.0 - 0.2 - 0.05, frozenset({"a"}))
     # 0.3 s already gone: 0.75 no longer fits in the 0.7 left.
     assert isinstance(decide([replace(p, ttft=0.75)], 1.0, now=100.3, arrived=100.0), Reject)
 
@@ -537,8 +596,13 @@ def test_the_wait_counts_the_engine_queue_the_router_and_the_held() -> None:
     assert p.ahead == 3  # 2 waiting at the engine + 1 held ahead
     assert p.wait is not None
     assert p.wait == pytest.approx(4 / 2.0, rel=0.01)  # the 4th completion, at 2 per second
-    assert p.ttft == pytest.approx(p.wait + 0.1 + 0.01, rel=0.02)
-    assert p.prefill == pytest.approx(0.1, rel=0.02) and p.gateway == pytest.approx(0.01)
+    assert p.gateway == pytest.approx(0.01)
+    assert p.ttft == pytest.approx(p.wait + p.prefill + p.gateway)
+    # It will start beside others' prefills: those the last requests started with (the 4 sent
+    # together shared 0, 1000, 2000 and 3000 tokens, after 40 alone).
+    assert 0 < est.shared.value < 1000
+    assert p.prefill == pytest.approx(est.fit.predict(1000 + est.shared.value))
+    assert p.prefill > est.fit.predict(1000) == pytest.approx(0.1, rel=0.02)
 
 
 def test_a_worker_without_slot_or_waiting_counts_learns_its_slots_from_timings() -> None:
