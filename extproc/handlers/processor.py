@@ -6,14 +6,12 @@ model read from the start of the body (``extproc.request`` metadata) -> one
 :meth:`~extproc.core.scheduling.Scheduler.decide` call, mapped to a pre-serialized
 reply; without it, the same call before the model is known (``model=None``) answers on
 the headers when the answer cannot depend on the model, else the headers ask for the
-buffered body (parse, decide). Then the response headers (turn a worker-side rejection
-into the overload reply; move the estimate to the host that served the response when an
-Envoy retry moved it off the pick; ask for the trailers so the stream lasts as long as the
-response). Response-body chunks count generated tokens, from this stream when its filter
-streams the body or from the observer filter's stream, whichever delivers a chunk of the
-request first. For a model with a latency target the same points time the request: its
-time to first token and mean inter-token gap feed the worker's latency controller. The
-router's estimate for the request is released when the stream ends, whatever ended it.
+buffered body (parse, decide). A routed request is then handed to its
+:class:`~extproc.handlers.inflight.InFlight`, which owns it until the stream ends: the
+response messages are read here and told to it (a worker-side rejection it turns into the
+overload reply, the host that served it, generated tokens, timings, the release of the
+router's estimate); the response headers ask for the trailers so the stream lasts as long
+as the response.
 
 Sessions take and return serialized messages, so any gRPC server can drive them
 (``extproc.transport``): ``receive`` answers with reply bytes, a list of them (a
@@ -50,13 +48,12 @@ from extproc.core.scheduling import (
     Routed,
     Scheduler,
 )
-from extproc.core.worker import Ticket
 from extproc.handlers import replies
 from extproc.handlers.body_budget import DEFAULT_BUDGET_MIB, MIB, BodyBudget
-from extproc.handlers.output_tokens import sse_tokens, usage_tokens
+from extproc.handlers.inflight import OBSERVER_STREAM, ROUTING_STREAM, InFlight, InFlightTable
 from extproc.handlers.router_queue import RouterQueue
 from extproc.handlers.subset_hint import SubsetHints
-from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
+from extproc.metrics.registry import Metrics
 from extproc.openai.request import INFERENCE_PATHS, BadRequest, PromptTokenizer, parse_body
 
 log = logging.getLogger("extproc.handlers")
@@ -77,11 +74,6 @@ ROLE_METADATA = "x-extproc-role"
 # The dynamic metadata namespace Envoy forwards with the request headers: ``model``, read
 # from the start of the body by a filter ahead of ext_proc (envoy/envoy.yaml).
 REQUEST_NAMESPACE = "extproc.request"
-# Whose response-body chunks count a request's generated tokens: the first stream that
-# delivers one (the routing stream, when its filter streams the response body, or the
-# observer's); the other stream's chunks of that request are not counted again.
-ROUTING_STREAM = 1
-OBSERVER_STREAM = 2
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 _NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -102,7 +94,8 @@ def _header_value(h: Any) -> str:
 
 
 class _Stream:
-    """Per-request state of one ext_proc stream."""
+    """Per-request state of one ext_proc stream up to its decision; once routed, the
+    request's life is its ``routed``."""
 
     __slots__ = (
         "body_streamed",
@@ -110,22 +103,14 @@ class _Stream:
         "duplex_request",
         "duplex_response",
         "endpoint_label",
-        "fallbacks",
-        "first_token_at",
-        "first_tokens",
-        "last_token_at",
         "model",
-        "observed",
-        "output_source",
         "phase",
         "prompt_tokens",
         "request_class",
         "request_id",
+        "routed",
         "stream",
-        "streaming",
         "subset",
-        "ticket",
-        "timed",
         "variant",
     )
 
@@ -138,31 +123,20 @@ class _Stream:
         self.duplex_response = False
         # The request body gathered so far, while the decision waits for all of it.
         self.duplex_body: bytearray | None = None
-        # An observer stream that receives the response body is paired with this one.
-        self.observed = False
-        # ROUTING_STREAM or OBSERVER_STREAM once a response-body chunk arrived, else 0.
-        self.output_source = 0
-        # A streamed 2xx response began (it was not over at its headers).
-        self.streaming = False
         # The request's class (None without classes) and the variant of the pool's
         # shares it is decided under (the class, or its large-prompt share).
         self.request_class: RequestClass | None = None
         self.endpoint_label: str | None = None
-        self.fallbacks: tuple[str, ...] = ()  # endpoints Envoy retries a refusal on
         self.model = ""
         self.phase = "request_body"
         self.prompt_tokens = 0
         self.request_id: str | None = None
-        self.stream = False
+        self.stream = False  # the body asked for a streamed response
         # The gateway's endpoint subset (Endpoint Picker protocol): None = not given.
         self.subset: tuple[str, ...] | None = None
-        self.ticket: Ticket | None = None
         self.variant = 0
-        # The model has a latency target: the response is timed (pool clock).
-        self.timed = False
-        self.first_token_at = 0.0
-        self.first_tokens = 0
-        self.last_token_at = 0.0
+        # The routed request, from its dispatch to the end of this stream.
+        self.routed: InFlight | None = None
 
 
 class ExtProcHandler:
@@ -188,7 +162,6 @@ class ExtProcHandler:
         # Bytes of full-duplex request bodies gathered before their decision, all streams.
         self.body_budget = body_budget or BodyBudget(DEFAULT_BUDGET_MIB * MIB)
         metrics.buffered_body_bytes.set_function(lambda: self.body_budget.used)
-        self.latency = latency
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -199,17 +172,14 @@ class ExtProcHandler:
         )
         # ``epp``: the Endpoint Picker protocol, whose requests may carry a subset hint.
         self.subset_hints = SubsetHints() if protocol == "epp" else None
-        self._busy_statuses = frozenset(worker_busy_statuses)
+        # Every routed request from its dispatch to its stream's end.
+        self.inflight = InFlightTable(
+            pool, metrics, self.replies, frozenset(worker_busy_statuses), latency
+        )
         # While a request waits in the router queue Envoy must not time the message out.
         self._extend_timeout = replies.extend_timeout(
             int(queue.timeout) + 2 if queue is not None else 1
         )
-        # Routed requests by x-request-id, for the observability filter's streams.
-        self._live: dict[str, _Stream] = {}
-        # Set once an observability-mode stream arrives: output is counted from bodies.
-        self._observed = False
-        # Logged once: streamed responses end while no stream delivers their body.
-        self._unobserved_warned = False
         # Request classes (docs/classes.md): the table in force, None without classes.
         self._classes: ClassTable | None = None
         if classes is not None:
@@ -223,7 +193,7 @@ class ExtProcHandler:
         """A session for one ext_proc stream, from its gRPC metadata."""
         self.metrics.streams.inc()
         if metadata.get(ROLE_METADATA) == "observe":
-            self._observed = True
+            self.inflight.observed = True
             return ObserverSession(self)
         return RequestSession(self)
 
@@ -252,8 +222,8 @@ class ExtProcHandler:
                 return self._on_response_body(st, req.response_body)
             if kind == "request_trailers" and st.duplex_body is not None:
                 return self._duplex_decide(st, [replies.CONTINUES["request_trailers"]])
-            if kind == "response_trailers" and st.ticket is not None:
-                self.pool.release(st.ticket)  # the response is over
+            if kind == "response_trailers" and st.routed is not None:
+                st.routed.response_over()
             return replies.CONTINUES.get(kind or "", replies.CONTINUE_REQUEST_HEADERS)
         except Exception:
             log.exception("error handling ext_proc %s message", kind)
@@ -266,21 +236,13 @@ class ExtProcHandler:
 
     def _on_stream_end(self, st: _Stream) -> None:
         self.body_budget.release(st)  # a body still being gathered (the client went away)
-        if st.ticket is not None:
-            if st.streaming and not (
-                st.output_source or st.observed or st.body_streamed or st.duplex_response
-            ):
-                self._output_unobserved()
-            self.pool.release(st.ticket)
-            if st.last_token_at and self.latency is not None:
-                self._time_itl(st, st.ticket)
-        if st.request_id is not None:
-            self._live.pop(st.request_id, None)
+        if st.routed is not None:
+            st.routed.end()
 
     # ----- request phase ---------------------------------------------------------------
 
     def _on_request_headers(self, st: _Stream, req: ep.ProcessingRequest) -> Reply:
-        if st.ticket is not None:  # headers again after routing: one decision per stream
+        if st.routed is not None:  # headers again after routing: one decision per stream
             return replies.CONTINUE_REQUEST_HEADERS
         msg = req.request_headers
         method = path = length = ""
@@ -428,7 +390,7 @@ class ExtProcHandler:
         return self._with_forward(st, reply, forward)
 
     def _with_forward(self, st: _Stream, reply: Replies, forward: list[bytes]) -> Replies:
-        if st.ticket is None or not isinstance(reply, bytes):
+        if st.routed is None or not isinstance(reply, bytes):
             return reply
         return [reply, *forward]
 
@@ -457,7 +419,7 @@ class ExtProcHandler:
         return self._reply(st, decision)
 
     def _on_request_body(self, st: _Stream, msg: ep.HttpBody) -> Reply:
-        if st.endpoint_label is None or st.ticket is not None or st.model:
+        if st.endpoint_label is None or st.routed is not None or st.model:
             # Headers were not sent to us (per-route SKIP): nothing to decide on; or the
             # request was decided already (on its headers, with a config that sends the
             # body all the same, or routed): one decision (and one estimate) per stream.
@@ -516,14 +478,16 @@ class ExtProcHandler:
         """Map a decision to its pre-serialized reply and count it."""
         self.metrics.outcome[decision.outcome.value].inc()
         if type(decision) is Routed:
-            st.ticket = decision.ticket
-            st.fallbacks = decision.fallbacks
-            if self.latency is not None:
-                st.timed = self.latency.timed(st.model, self._class_name(st))
-                if st.timed and st.stream:  # a first token to wait for: overdue counts
-                    self.latency.dispatched(decision.ticket, self._class_name(st))
-            if st.request_id is not None:
-                self._live[st.request_id] = st
+            st.routed = self.inflight.start(
+                decision,
+                model=st.model,
+                request_class=st.request_class,
+                endpoint_label=st.endpoint_label,
+                request_id=st.request_id,
+                stream=st.stream,
+                body_streamed=st.body_streamed,
+                duplex_response=st.duplex_response,
+            )
             self._count_class(st, st.model, "routed")
             # A full-duplex body is decided before the headers are answered: the headers
             # reply carries the destination.
@@ -549,11 +513,11 @@ class ExtProcHandler:
     # ----- response phase ---------------------------------------------------------------
 
     def _on_response_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
-        ticket = st.ticket
-        if ticket is None:
+        routed = st.routed
+        if routed is None:
             return replies.CONTINUE_RESPONSE_HEADERS
         status = 0
-        flagged = unreachable = False
+        flagged = unreachable = event_stream = False
         served = ""
         for h in msg.headers.headers:
             key = h.key
@@ -568,167 +532,29 @@ class ExtProcHandler:
             elif key == SERVED_HEADER:
                 served = _header_value(h)
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
-                st.stream = True  # decided on the headers: the body's "stream" was not read
-        if not 200 <= status < 300:
-            if unreachable and status >= 500:
-                return self._worker_unreachable(st, ticket)
-            if flagged or status == 529 or status in self._busy_statuses:
-                return self._worker_rejected(st, ticket)
-        if served and served != ticket.worker.endpoint:
-            self._served_elsewhere(st, ticket, served)
-        if msg.end_of_stream:
-            self.pool.release(ticket)
-        elif st.stream and 200 <= status < 300:
-            self._output_begins(st, ticket)
+                event_stream = True
+        refused = routed.response_headers(
+            status,
+            flagged=flagged,
+            unreachable=unreachable,
+            served=served,
+            event_stream=event_stream,
+            end_of_stream=msg.end_of_stream,
+        )
+        if refused is not None:
+            return refused
         if st.phase == "request_headers" and not msg.end_of_stream:
             if st.body_streamed:
                 return replies.CONTINUE_RESPONSE_HEADERS_HOLD_STREAMED
             return replies.CONTINUE_RESPONSE_HEADERS_HOLD
         return replies.CONTINUE_RESPONSE_HEADERS
 
-    def _served_elsewhere(self, st: _Stream, ticket: Ticket, endpoint: str) -> None:
-        """An Envoy retry moved the request off its pick (refused, reset, or a busy status):
-        its estimate follows it to the worker at ``endpoint``, or is released when that is
-        not a known worker of the model. Envoy tries the pick, then the listed fallbacks in
-        order, so the pick and every fallback listed before ``endpoint`` refused it: each is
-        skipped until its next load report or 1 s, as after a worker-side rejection."""
-        pool = self.pool
-        model = ticket.worker.model
-        refused = [ticket.worker]
-        by_endpoint = pool.by_endpoint
-        if endpoint in st.fallbacks:
-            for fallback in st.fallbacks[: st.fallbacks.index(endpoint)]:
-                worker = by_endpoint.get((fallback, model))
-                if worker is not None:
-                    refused.append(worker)
-        served = by_endpoint.get((endpoint, model))
-        pool.move(ticket, served)
-        for worker in refused:
-            pool.mark_overloaded(worker)
-        self.metrics.served_elsewhere.labels(model, "unknown" if served is None else "worker").inc()
-
-    def _worker_unreachable(self, st: _Stream, ticket: Ticket) -> bytes:
-        """Envoy's own 503 for a routed request (the worker refused or reset the connection
-        and no listed fallback took it): skip the worker for a while and answer the overload
-        reply, as when it is busy; the request never reached an engine."""
-        worker = ticket.worker
-        self.pool.mark_unreachable(worker)
-        self.pool.release(ticket)
-        self.metrics.worker_unreachable.labels(st.model).inc()
-        self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
-        log.warning(
-            "worker %s (%s) unreachable from Envoy: skipped for 1 s", worker.worker_id,
-            worker.endpoint,
-        )  # fmt: skip
-        retry_after = self.pool.retry_after(st.model)
-        return self.replies.overload(retry_after, "worker_unreachable", st.request_class)
-
-    def _worker_rejected(self, st: _Stream, ticket: Ticket) -> bytes:
-        """A worker-side rejection that Envoy's retries did not absorb: the pick and every
-        fallback Envoy retried it on refused, so each is skipped until its next load report
-        or 1 s; counted and answered as our own overload reply."""
-        self.pool.mark_overloaded(ticket.worker)
-        by_endpoint = self.pool.by_endpoint
-        for endpoint in st.fallbacks:
-            worker = by_endpoint.get((endpoint, st.model))
-            if worker is not None:
-                self.pool.mark_overloaded(worker)
-        self.pool.release(ticket)
-        self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
-        return self.replies.overload(1, "worker_overloaded", st.request_class)
-
-    # ----- generated tokens -------------------------------------------------------------
-
-    def _output_begins(self, st: _Stream, ticket: Ticket) -> None:
-        """A streamed 2xx response began. Without a stream that delivers its body, prefill
-        is over now; with one, at the first generated token."""
-        st.streaming = True
-        if st.timed and self.latency is not None:
-            # Decided on the headers, the request's "stream" was not read; its response
-            # says it now (vLLM, SGLang and the simulated engine answer at once).
-            self.latency.dispatched(ticket, self._class_name(st))
-        if not (self._observed or st.body_streamed or st.duplex_response):
-            if st.timed and ticket.in_prefill:
-                self._time_first_token(st, ticket, 0)
-            self.pool.prefill_done(ticket)
-
-    def _output_unobserved(self) -> None:
-        """A streamed 2xx response ended and no stream delivered its body: with
-        --router-track-output-blocks its generated tokens went uncounted."""
-        if not self.pool.track_output_blocks:
-            return
-        self.metrics.output_unobserved.inc()
-        self.metrics.output_unobserved_at = time.monotonic()
-        if not self._unobserved_warned:
-            self._unobserved_warned = True
-            log.warning(
-                "--router-track-output-blocks is on, but a streamed response ended and no "
-                "ext_proc stream received its body: generated tokens are not counted, so long "
-                "generations never turn a worker busy. Fix: %s. Counted in "
-                "extproc_output_unobserved_responses_total; not logged again.",
-                UNOBSERVED_OUTPUT_FIX,
-            )
-
     def _on_response_body(self, st: _Stream, msg: ep.HttpBody) -> bytes:
-        ticket = st.ticket
-        if ticket is not None:
-            self._count_output(st, msg.body, ROUTING_STREAM)
-            if msg.end_of_stream:
-                self.pool.release(ticket)
+        if st.routed is not None:
+            st.routed.response_body(msg.body, msg.end_of_stream, ROUTING_STREAM)
         if st.duplex_response:
             return replies.streamed_body("response_body", msg.body, msg.end_of_stream)
         return replies.CONTINUE_RESPONSE_BODY
-
-    def _count_output(self, st: _Stream, body: bytes, source: int) -> None:
-        """Count the generated tokens in a response-body chunk from ``source``; the first
-        stream to deliver a chunk of a request counts all of its output."""
-        ticket = st.ticket
-        if ticket is None or ticket.released:
-            return
-        if st.output_source != source:
-            if st.output_source:
-                return  # the other stream counts this request's output
-            st.output_source = source
-        if st.stream or body.startswith(b"data:"):
-            # Server-Sent Events, also when neither the body's "stream" (decided on the
-            # headers) nor a text/event-stream content type said so.
-            st.stream = True
-            tokens = sse_tokens(body)
-        else:
-            usage = usage_tokens(body)
-            tokens = 0 if usage is None else usage - ticket.generated
-        if tokens > 0:
-            if st.timed and st.stream:
-                self._time_first_token(st, ticket, tokens)
-            self.pool.generated(ticket, tokens)
-
-    # ----- latency measurement (models with a latency target) ----------------------------
-
-    def _time_first_token(self, st: _Stream, ticket: Ticket, tokens: int) -> None:
-        """A streamed response's first generated tokens (``tokens``; 0: its 2xx headers,
-        when no stream delivers its body): the time to first token since the routing
-        decision. Later chunks only mark the time of the latest token."""
-        now = self.pool.clock()
-        if st.first_token_at:
-            st.last_token_at = now
-            return
-        st.first_token_at = now
-        st.first_tokens = tokens
-        assert self.latency is not None
-        self.latency.observe_ttft(
-            ticket.worker, now - ticket.started, not tokens, self._class_name(st)
-        )
-
-    def _time_itl(self, st: _Stream, ticket: Ticket) -> None:
-        """The mean gap between the tokens after the first chunk, once the response ends."""
-        gaps = ticket.generated - st.first_tokens
-        if gaps > 0 and self.latency is not None:
-            itl = (st.last_token_at - st.first_token_at) / gaps
-            self.latency.observe_itl(ticket.worker, itl, self._class_name(st))
-
-    def _class_name(self, st: _Stream) -> str:
-        """The request's class while classes are configured, else ""."""
-        return st.request_class.name if st.request_class is not None else ""
 
     def _on_observed(self, obs: ObserverSession, message: bytes) -> None:
         """A message of the observability-mode filter: count output, reply nothing.
@@ -740,14 +566,15 @@ class ExtProcHandler:
             kind = req.WhichOneof("request")
             if kind == "response_body":
                 if obs.stream is not None:
-                    self._count_output(obs.stream, req.response_body.body, OBSERVER_STREAM)
+                    body = req.response_body
+                    obs.stream.response_body(body.body, body.end_of_stream, OBSERVER_STREAM)
             elif kind == "request_headers":
                 for h in req.request_headers.headers.headers:
                     if h.key == REQUEST_ID_HEADER:
-                        st = obs.stream = self._live.get(_header_value(h))
-                        if st is not None:
+                        routed = obs.stream = self.inflight.paired(_header_value(h))
+                        if routed is not None:
                             # Without a protocol_config (an older Envoy) assume it does.
-                            st.observed = (
+                            routed.observed = (
                                 not req.HasField("protocol_config")
                                 or req.protocol_config.response_body_mode != _NO_BODY
                             )
@@ -783,7 +610,7 @@ class ObserverSession:
 
     def __init__(self, handler: ExtProcHandler) -> None:
         self.handler = handler
-        self.stream: _Stream | None = None
+        self.stream: InFlight | None = None
         self.closed = False
 
     def receive(self, message: bytes) -> None:

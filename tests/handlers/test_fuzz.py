@@ -327,7 +327,7 @@ def _fuzz_sessions(streams: list[tuple[bool, list[bytes]]]) -> None:
     handler = make_handler()
     run_sessions(handler, streams)
     assert estimates(handler.pool) == []
-    assert handler._live == {}
+    assert handler.inflight.live == {}
     RUN["examples"] += 1
 
 
@@ -503,9 +503,9 @@ def test_request_headers_again_after_routing_change_nothing_and_leak_no_stream()
     headers, body = stream_messages_valid(request_id="r1")
     session.receive(headers)
     session.receive(body)
-    assert set(handler._live) == {"r1"}
+    assert set(handler.inflight.live) == {"r1"}
     again, _ = stream_messages_valid(request_id="r2")
     assert session.receive(again) == replies.CONTINUE_REQUEST_HEADERS
-    assert set(handler._live) == {"r1"}
+    assert set(handler.inflight.live) == {"r1"}
     session.close()
-    assert handler._live == {} and estimates(handler.pool) == []
+    assert handler.inflight.live == {} and estimates(handler.pool) == []

@@ -607,9 +607,8 @@ def test_the_estimate_follows_the_host_that_served_the_response() -> None:
 
     def routed() -> tuple[RequestSession, Ticket]:
         session = routed_session(handler)
-        ticket = session.st.ticket
-        assert ticket is not None
-        return session, ticket
+        assert session.st.routed is not None
+        return session, session.st.routed.ticket
 
     def inflight() -> tuple[int, int]:
         return a.ranks[0].inflight, b.ranks[0].inflight

@@ -136,7 +136,7 @@ def test_output_is_counted_once_when_both_streams_deliver_the_body(first: str) -
     for tokens in (3, 20, 7):
         for stream in streams:
             deliver(stream, chunk(tokens))
-    assert session.st.ticket is not None and session.st.ticket.generated == 30
+    assert session.st.routed is not None and session.st.routed.ticket.generated == 30
     assert (r.est_prefill, r.est_blocks) == (0, 3)  # ceil((10 + 30) / 16)
     # The last chunk ends the response on the routing stream: released, counted no more.
     deliver(session, chunk(5, end=True))
@@ -172,7 +172,7 @@ def test_an_sse_body_is_counted_as_a_stream_without_its_content_type() -> None:
     reply(session, response_headers(200))
     for _ in range(2):
         deliver(session, chunk(10))
-    assert session.st.ticket is not None and session.st.ticket.generated == 20
+    assert session.st.routed is not None and session.st.routed.ticket.generated == 20
     assert (rank(handler).est_prefill, rank(handler).est_blocks) == (0, 2)
 
 

@@ -1,0 +1,370 @@
+"""A routed request from dispatch to stream end: the one owner of its life after the decision.
+
+The ext_proc handler decides a request and hands the :class:`~extproc.core.scheduling.Routed`
+decision to :meth:`InFlightTable.start`; from then on the :class:`InFlight` it gets back is
+told what the response does, already read from the ext_proc messages:
+
+- its headers (:meth:`InFlight.response_headers`): a worker-side rejection or Envoy's own
+  503 becomes the overload reply; when an Envoy retry served the request elsewhere (the
+  served host differs from the pick), the estimate follows it;
+- its body chunks (:meth:`InFlight.response_body`), from the routing stream or from the
+  observability filter's stream, whichever delivers one first: generated tokens are counted
+  into the pool's estimate, and for a model with a latency target the time to first token
+  and the mean inter-token gap go to the latency controller;
+- its end (:meth:`InFlight.response_over`, :meth:`InFlight.end`): the estimate is released,
+  whatever ended the stream.
+
+Each request keeps three timestamps of the pool's clock, per worker that served it:
+``dispatched_at`` (the decision), ``first_byte_at`` (the first response body byte, from
+either stream) and ``ended_at`` (the stream's end). No I/O; the hot path allocates one
+:class:`InFlight` per routed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from extproc.core.classes import RequestClass
+from extproc.core.latency import LatencyControl
+from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import Routed
+from extproc.core.worker import Ticket
+from extproc.handlers.output_tokens import sse_tokens, usage_tokens
+from extproc.handlers.replies import Replies
+from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
+
+log = logging.getLogger("extproc.handlers")
+
+# Whose response-body chunks count a request's generated tokens: the first stream that
+# delivers one (the routing stream, when its filter streams the response body, or the
+# observer's); the other stream's chunks of that request are not counted again.
+ROUTING_STREAM = 1
+OBSERVER_STREAM = 2
+
+
+class InFlightTable:
+    """Every routed request of this process whose stream is open, and what they share:
+    the pool their estimates live in, the latency controller their timings feed, the
+    replies and metrics of a response that turns into a local reply."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics: Metrics,
+        replies: Replies,
+        busy_statuses: frozenset[int],
+        latency: LatencyControl | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.replies = replies
+        self.busy_statuses = busy_statuses
+        self.latency = latency
+        # Routed requests by x-request-id, for the observability filter's streams.
+        self.live: dict[str, InFlight] = {}
+        # Set once an observability-mode stream arrives: output is counted from bodies.
+        self.observed = False
+        # Logged once: streamed responses end while no stream delivers their body.
+        self._unobserved_warned = False
+
+    def start(
+        self,
+        decision: Routed,
+        *,
+        model: str,
+        request_class: RequestClass | None,
+        endpoint_label: str | None,
+        request_id: str | None,
+        stream: bool,
+        body_streamed: bool,
+        duplex_response: bool,
+    ) -> InFlight:
+        """The request was routed: it is in flight from now on, its estimate held by the
+        decision's ticket until :meth:`InFlight.end`."""
+        req = InFlight(self, decision.ticket, decision.fallbacks, model, request_class)
+        req.endpoint_label = endpoint_label
+        req.request_id = request_id
+        req.stream = stream
+        req.body_streamed = body_streamed
+        req.duplex_response = duplex_response
+        latency = self.latency
+        if latency is not None:
+            req.timed = latency.timed(model, req.class_name)
+            if req.timed and stream:  # a first token to wait for: overdue counts
+                latency.dispatched(decision.ticket, req.class_name)
+        if request_id is not None:
+            self.live[request_id] = req
+        return req
+
+    def paired(self, request_id: str) -> InFlight | None:
+        """The routed request an observer stream with this ``x-request-id`` belongs to."""
+        return self.live.get(request_id)
+
+    def output_unobserved(self) -> None:
+        """A streamed 2xx response ended and no stream delivered its body: with
+        --router-track-output-blocks its generated tokens went uncounted."""
+        if not self.pool.track_output_blocks:
+            return
+        self.metrics.output_unobserved.inc()
+        self.metrics.output_unobserved_at = time.monotonic()
+        if not self._unobserved_warned:
+            self._unobserved_warned = True
+            log.warning(
+                "--router-track-output-blocks is on, but a streamed response ended and no "
+                "ext_proc stream received its body: generated tokens are not counted, so long "
+                "generations never turn a worker busy. Fix: %s. Counted in "
+                "extproc_output_unobserved_responses_total; not logged again.",
+                UNOBSERVED_OUTPUT_FIX,
+            )
+
+
+class InFlight:
+    """One routed request, from its dispatch to the end of its stream."""
+
+    __slots__ = (
+        "body_streamed",
+        "class_name",
+        "dispatched_at",
+        "duplex_response",
+        "ended_at",
+        "endpoint_label",
+        "fallbacks",
+        "first_byte_at",
+        "first_token_at",
+        "first_tokens",
+        "last_token_at",
+        "model",
+        "observed",
+        "output_source",
+        "request_class",
+        "request_id",
+        "stream",
+        "streaming",
+        "table",
+        "ticket",
+        "timed",
+    )
+
+    def __init__(
+        self,
+        table: InFlightTable,
+        ticket: Ticket,
+        fallbacks: tuple[str, ...],
+        model: str,
+        request_class: RequestClass | None,
+    ) -> None:
+        self.table = table
+        # The estimate held for the request; it names the worker serving it now.
+        self.ticket = ticket
+        self.fallbacks = fallbacks  # endpoints Envoy retries a refusal on, in order
+        self.model = model
+        self.request_class = request_class
+        # The request's class while classes are configured, else "".
+        self.class_name = request_class.name if request_class is not None else ""
+        self.endpoint_label: str | None = None
+        self.request_id: str | None = None
+        # The response is Server-Sent Events (the body's "stream", or the response says so).
+        self.stream = False
+        # How the routing filter sends the response body: streamed, or in full duplex.
+        self.body_streamed = False
+        self.duplex_response = False
+        # An observer stream that receives the response body is paired with this one.
+        self.observed = False
+        # ROUTING_STREAM or OBSERVER_STREAM once a response-body chunk arrived, else 0.
+        self.output_source = 0
+        # A streamed 2xx response began (it was not over at its headers).
+        self.streaming = False
+        # The model (or class) has a latency target: the response is timed.
+        self.timed = False
+        # The request's timeline on the pool's clock (0.0: not yet): the decision, the
+        # first response body byte (either stream), the end of the stream.
+        self.dispatched_at = ticket.started
+        self.first_byte_at = 0.0
+        self.ended_at = 0.0
+        # Token times of a timed streamed response (first chunk, latest chunk).
+        self.first_token_at = 0.0
+        self.first_tokens = 0
+        self.last_token_at = 0.0
+
+    # ----- the response ------------------------------------------------------------------
+
+    def response_headers(
+        self,
+        status: int,
+        *,
+        flagged: bool = False,
+        unreachable: bool = False,
+        served: str = "",
+        event_stream: bool = False,
+        end_of_stream: bool = False,
+    ) -> bytes | None:
+        """The response headers, as read: the local reply that replaces a refused response,
+        else None (the response goes on). ``flagged``: the worker said it is overloaded;
+        ``unreachable``: Envoy's own reply to a connection it could not make; ``served``:
+        the ``ip:port`` that served it, "" when not said."""
+        if event_stream:
+            self.stream = True  # decided on the headers: the body's "stream" was not read
+        ok = 200 <= status < 300
+        if not ok:
+            if unreachable and status >= 500:
+                return self._worker_unreachable()
+            if flagged or status == 529 or status in self.table.busy_statuses:
+                return self._worker_rejected()
+        ticket = self.ticket
+        if served and served != ticket.worker.endpoint:
+            self._served_elsewhere(served)
+        if end_of_stream:
+            self.table.pool.release(ticket)
+        elif self.stream and ok:
+            self._output_begins()
+        return None
+
+    def response_body(self, body: bytes, end_of_stream: bool, source: int) -> None:
+        """A response body chunk from ``source`` (ROUTING_STREAM or OBSERVER_STREAM)."""
+        if body and not self.first_byte_at:
+            self.first_byte_at = self.table.pool.clock()
+        self._count_output(body, source)
+        if end_of_stream and source == ROUTING_STREAM:
+            self.table.pool.release(self.ticket)
+
+    def response_over(self) -> None:
+        """The response's trailers: it is over."""
+        self.table.pool.release(self.ticket)
+
+    def end(self) -> None:
+        """The routing stream ended, whatever ended it: the estimate is released."""
+        table = self.table
+        if self.streaming and not (
+            self.output_source or self.observed or self.body_streamed or self.duplex_response
+        ):
+            table.output_unobserved()
+        self.ended_at = table.pool.clock()
+        table.pool.release(self.ticket)
+        if self.last_token_at and table.latency is not None:
+            self._time_itl()
+        if self.request_id is not None:
+            table.live.pop(self.request_id, None)
+
+    # ----- a response refused, or served elsewhere ------------------------------------
+
+    def _served_elsewhere(self, endpoint: str) -> None:
+        """An Envoy retry moved the request off its pick (refused, reset, or a busy status):
+        its estimate follows it to the worker at ``endpoint``, or is released when that is
+        not a known worker of the model. Envoy tries the pick, then the listed fallbacks in
+        order, so the pick and every fallback listed before ``endpoint`` refused it: each is
+        skipped until its next load report or 1 s, as after a worker-side rejection."""
+        table = self.table
+        pool = table.pool
+        ticket = self.ticket
+        model = ticket.worker.model
+        refused = [ticket.worker]
+        if endpoint in self.fallbacks:
+            for fallback in self.fallbacks[: self.fallbacks.index(endpoint)]:
+                worker = pool.by_endpoint.get((fallback, model))
+                if worker is not None:
+                    refused.append(worker)
+        served = pool.by_endpoint.get((endpoint, model))
+        pool.move(ticket, served)
+        for worker in refused:
+            pool.mark_overloaded(worker)
+        kind = "unknown" if served is None else "worker"
+        table.metrics.served_elsewhere.labels(model, kind).inc()
+
+    def _worker_unreachable(self) -> bytes:
+        """Envoy's own 503 for a routed request (the worker refused or reset the connection
+        and no listed fallback took it): skip the worker for a while and answer the overload
+        reply, as when it is busy; the request never reached an engine."""
+        table = self.table
+        worker = self.ticket.worker
+        table.pool.mark_unreachable(worker)
+        table.pool.release(self.ticket)
+        table.metrics.worker_unreachable.labels(self.model).inc()
+        table.metrics.rejections.labels(self.model, self.endpoint_label or "").inc()
+        log.warning(
+            "worker %s (%s) unreachable from Envoy: skipped for 1 s", worker.worker_id,
+            worker.endpoint,
+        )  # fmt: skip
+        retry_after = table.pool.retry_after(self.model)
+        return table.replies.overload(retry_after, "worker_unreachable", self.request_class)
+
+    def _worker_rejected(self) -> bytes:
+        """A worker-side rejection that Envoy's retries did not absorb: the pick and every
+        fallback Envoy retried it on refused, so each is skipped until its next load report
+        or 1 s; counted and answered as our own overload reply."""
+        table = self.table
+        pool = table.pool
+        pool.mark_overloaded(self.ticket.worker)
+        for endpoint in self.fallbacks:
+            worker = pool.by_endpoint.get((endpoint, self.model))
+            if worker is not None:
+                pool.mark_overloaded(worker)
+        pool.release(self.ticket)
+        table.metrics.rejections.labels(self.model, self.endpoint_label or "").inc()
+        return table.replies.overload(1, "worker_overloaded", self.request_class)
+
+    # ----- generated tokens -------------------------------------------------------------
+
+    def _output_begins(self) -> None:
+        """A streamed 2xx response began. Without a stream that delivers its body, prefill
+        is over now; with one, at the first generated token."""
+        self.streaming = True
+        table = self.table
+        ticket = self.ticket
+        if self.timed and table.latency is not None:
+            # Decided on the headers, the request's "stream" was not read; its response
+            # says it now (vLLM, SGLang and the simulated engine answer at once).
+            table.latency.dispatched(ticket, self.class_name)
+        if not (table.observed or self.body_streamed or self.duplex_response):
+            if self.timed and ticket.in_prefill:
+                self._time_first_token(0)
+            table.pool.prefill_done(ticket)
+
+    def _count_output(self, body: bytes, source: int) -> None:
+        """Count the generated tokens in a response-body chunk from ``source``; the first
+        stream to deliver a chunk of a request counts all of its output."""
+        ticket = self.ticket
+        if ticket.released:
+            return
+        if self.output_source != source:
+            if self.output_source:
+                return  # the other stream counts this request's output
+            self.output_source = source
+        if self.stream or body.startswith(b"data:"):
+            # Server-Sent Events, also when neither the body's "stream" (decided on the
+            # headers) nor a text/event-stream content type said so.
+            self.stream = True
+            tokens = sse_tokens(body)
+        else:
+            usage = usage_tokens(body)
+            tokens = 0 if usage is None else usage - ticket.generated
+        if tokens > 0:
+            if self.timed and self.stream:
+                self._time_first_token(tokens)
+            self.table.pool.generated(ticket, tokens)
+
+    # ----- latency measurement (models with a latency target) ----------------------------
+
+    def _time_first_token(self, tokens: int) -> None:
+        """A streamed response's first generated tokens (``tokens``; 0: its 2xx headers,
+        when no stream delivers its body): the time to first token since the routing
+        decision. Later chunks only mark the time of the latest token."""
+        table = self.table
+        now = table.pool.clock()
+        if self.first_token_at:
+            self.last_token_at = now
+            return
+        self.first_token_at = now
+        self.first_tokens = tokens
+        assert table.latency is not None
+        ticket = self.ticket
+        table.latency.observe_ttft(ticket.worker, now - ticket.started, not tokens, self.class_name)
+
+    def _time_itl(self) -> None:
+        """The mean gap between the tokens after the first chunk, once the response ends."""
+        ticket = self.ticket
+        gaps = ticket.generated - self.first_tokens
+        latency = self.table.latency
+        if gaps > 0 and latency is not None:
+            itl = (self.last_token_at - self.first_token_at) / gaps
+            latency.observe_itl(ticket.worker, itl, self.class_name)
