@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -95,14 +96,40 @@ def replica_id(settings: Settings) -> str:
     return settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-async def _sweep(pool: WorkerPool, peers: PeerEstimates | None, interval: float) -> None:
+# The background tasks the service runs, each a step repeated on a period.
+SWEEPER = "sweeper"
+LATENCY_CONTROLLER = "latency_controller"
+BACKGROUND_TASKS = (SWEEPER, LATENCY_CONTROLLER)
+
+
+async def run_every(name: str, interval: float, step: Callable[[], None], metrics: Metrics) -> None:
+    """Run ``step`` every ``interval`` seconds until cancelled. A step that raises is
+    counted in extproc_background_errors_total{task=name}, the first failure is logged with
+    its traceback, and the next step runs on time: one bad step never stops the task."""
+    failures = metrics.background_errors.labels(name)
+    logged = False
     while True:
         await asyncio.sleep(interval)
-        for worker_id in pool.expire():
-            log.info("worker %s removed: silent for more than %.1fs", worker_id, pool.worker_ttl)
-        if peers is not None:
-            for rid in peers.expire():
-                log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
+        try:
+            step()
+        except Exception:
+            failures.inc()
+            if not logged:
+                logged = True
+                log.exception(
+                    "background task %s failed; it keeps running (later failures are counted "
+                    "in extproc_background_errors_total, not logged)",
+                    name,
+                )
+
+
+def _sweep(pool: WorkerPool, peers: PeerEstimates | None) -> None:
+    """Remove the workers and replicas silent past their TTL."""
+    for worker_id in pool.expire():
+        log.info("worker %s removed: silent for more than %.1fs", worker_id, pool.worker_ttl)
+    if peers is not None:
+        for rid in peers.expire():
+            log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
 
 
 def _health_status(readiness: Readiness) -> StatusOf:
@@ -125,21 +152,19 @@ def _health_status(readiness: Readiness) -> StatusOf:
 LATENCY_TICK_SECONDS = 1.0
 
 
-async def _control_latency(control: LatencyControl, interval: float) -> None:
+def _control_latency(control: LatencyControl) -> None:
     """Move the limits of the workers of models with a latency target; one log line per
     change of direction of a worker's limit, not per step."""
-    while True:
-        await asyncio.sleep(interval)
-        for turn in control.tick():
-            log.info(
-                "latency limit of worker %s (%s%s) now %s: x%.2f of its thresholds; %s",
-                turn.worker_id,
-                turn.model,
-                f", class {turn.request_class}" if turn.request_class else "",
-                "falling" if turn.direction < 0 else "rising",
-                turn.scale,
-                turn.reason,
-            )
+    for turn in control.tick():
+        log.info(
+            "latency limit of worker %s (%s%s) now %s: x%.2f of its thresholds; %s",
+            turn.worker_id,
+            turn.model,
+            f", class {turn.request_class}" if turn.request_class else "",
+            "falling" if turn.direction < 0 else "rising",
+            turn.scale,
+            turn.reason,
+        )
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -171,6 +196,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     if queue is not None:
         pool.on_capacity = queue.notify
     metrics = Metrics()
+    for task in BACKGROUND_TASKS:
+        metrics.background_errors.labels(task)  # 0 from the start
     metrics.attach(pool, queue.depth if queue is not None else None)
     readiness = Readiness()
 
@@ -301,9 +328,16 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     readiness.grpc_serving = True
     parts.callback(setattr, readiness, "grpc_serving", False)
     interval = min(0.5, settings.worker_ttl / 10, settings.replica_ttl / 4)
-    sweeper = asyncio.create_task(_sweep(pool, peers, interval))
+    sweeper = asyncio.create_task(
+        run_every(SWEEPER, interval, lambda: _sweep(pool, peers), metrics), name=SWEEPER
+    )
     parts.callback(sweeper.cancel)
-    controller = asyncio.create_task(_control_latency(latency, LATENCY_TICK_SECONDS))
+    controller = asyncio.create_task(
+        run_every(
+            LATENCY_CONTROLLER, LATENCY_TICK_SECONDS, lambda: _control_latency(latency), metrics
+        ),
+        name=LATENCY_CONTROLLER,
+    )
     parts.callback(controller.cancel)
     log.info(
         "serving ext_proc on %s (%s server), %s protocol, admin on http://%s:%s, events on %s; "

@@ -84,6 +84,13 @@ class Metrics:
             ["model", "served"],
             registry=r,
         )
+        self.background_errors = Counter(
+            "extproc_background_errors",
+            "Failures of a background task (the worker sweeper, the latency controller's "
+            "tick): the first one is logged with its traceback, and the task keeps running.",
+            ["task"],
+            registry=r,
+        )
         self.output_unobserved = Counter(
             "extproc_output_unobserved_responses",
             "Streamed 2xx responses that ended while --router-track-output-blocks is on and "
