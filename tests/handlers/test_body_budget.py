@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -258,6 +259,47 @@ async def test_a_body_waiting_in_the_router_queue_is_held_until_it_goes_on() -> 
     out = await asyncio.wait_for(task, 5.0)
     assert routed(out)
     assert buffered(handler) == 0
+
+
+def test_whatever_the_streams_do_the_budget_holds_and_ends_empty() -> None:
+    """Random streams (declared or not, chunks of any size, trailers, closed at any point)
+    never take the total past the budget, and leave nothing held once they end."""
+    rng = random.Random(7)
+    handler = make(64 * KIB)
+    budget = handler.body_budget
+    open_: list[tuple[RequestSession, bytes, int]] = []  # session, body, bytes sent
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.15 or not open_:
+            s = session(handler)
+            raw = body(rng.choice([200, 2 * KIB, 7 * KIB, 20 * KIB, 40 * KIB, 60 * KIB]))
+            s.receive(headers(len(raw) if rng.random() < 0.5 else None))
+            open_.append((s, raw, 0))
+        elif action < 0.25:
+            s, _, _ = open_.pop(rng.randrange(len(open_)))
+            s.close()
+        else:
+            i = rng.randrange(len(open_))
+            s, raw, sent = open_[i]
+            n = min(len(raw) - sent, rng.choice([100, 1 * KIB, 8 * KIB, 30 * KIB]))
+            if sent + n == len(raw) and rng.random() < 0.3:
+                s.receive(chunk(raw[sent:], False))
+                s.receive(
+                    ep.ProcessingRequest(request_trailers=ep.HttpTrailers()).SerializeToString()
+                )
+            else:
+                s.receive(chunk(raw[sent : sent + n], sent + n == len(raw)))
+            if sent + n == len(raw):
+                open_.pop(i)
+                s.close()
+            else:
+                open_[i] = (s, raw, sent + n)
+        assert 0 <= budget.used <= budget.limit
+        assert buffered(handler) == budget.used
+    assert rejected(handler, "budget")  # the budget was in the way at times
+    for s, _, _ in open_:
+        s.close()
+    assert budget.used == 0 and budget.streams == 0
 
 
 # ----- the setting ------------------------------------------------------------------------
