@@ -23,12 +23,14 @@ MAX_BUDGET_MIB = 1 << 20  # 1 TiB
 MIB = 1 << 20
 # A body of at most this many bytes may use the reserve (a 16k-token prompt is ~64 KiB).
 SMALL_BODY = 256 * 1024
+# Seconds between two log lines about refused bodies.
+LOG_EVERY = 60.0
 
 
 class BodyBudget:
     """Bytes held by the streams gathering a request body, within ``limit`` in all."""
 
-    __slots__ = ("_held", "largest", "limit", "reserve", "small", "used")
+    __slots__ = ("_held", "_logged_at", "_unlogged", "largest", "limit", "reserve", "small", "used")
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -41,6 +43,8 @@ class BodyBudget:
         self.largest = limit - self.reserve
         self.used = 0
         self._held: dict[object, int] = {}
+        self._logged_at: float | None = None
+        self._unlogged = 0
 
     def held(self, stream: object) -> int:
         """Bytes ``stream`` holds now."""
@@ -65,6 +69,16 @@ class BodyBudget:
         n = self._held.pop(stream, 0)
         self.used -= n
         return n
+
+    def refused(self, now: float) -> int | None:
+        """Count a body refused at ``now`` (seconds); when a log line is due (the first
+        refusal, then at most one every LOG_EVERY s), the refusals it reports, else None."""
+        self._unlogged += 1
+        if self._logged_at is not None and now - self._logged_at < LOG_EVERY:
+            return None
+        self._logged_at = now
+        count, self._unlogged = self._unlogged, 0
+        return count
 
     @property
     def streams(self) -> int:

@@ -72,6 +72,15 @@ def test_the_small_limit_and_the_default() -> None:
         BodyBudget(0)
 
 
+def test_refusals_are_logged_once_a_minute_with_how_many_there_were() -> None:
+    budget = BodyBudget(64 * KIB)
+    assert budget.refused(100.0) == 1  # the first: a line at once
+    assert budget.refused(110.0) is None
+    assert budget.refused(159.9) is None
+    assert budget.refused(160.0) == 3  # the next line says how many since the last
+    assert budget.refused(161.0) is None
+
+
 # ----- through the handler ----------------------------------------------------------------
 
 
