@@ -63,9 +63,10 @@ near ``(n + WAIT_Z x sqrt(n)) / rate``, and the prefill fit is off by up to ``PR
 mean absolute residuals. Among the workers that can start the request now, the one with the
 smallest predicted TTFT that fits gets it (a slot never sits idle while a request that fits
 waits); otherwise, if the smallest prediction of all fits, the request is held in the router
-until a slot frees on one of the workers predicted to fit (earliest deadline first,
-``core/held.py``), its deadline the latest dispatch that leaves room for its prefill and the
-gateway on the slowest of them; otherwise it is rejected at once,
+until a slot frees on one of the workers it fits on even if the slot comes at the wait's
+upper bound (earliest deadline first, ``core/held.py``), its deadline the latest dispatch
+that leaves room for its prefill and the gateway on the slowest of them; otherwise it is
+rejected at once,
 with Retry-After and retry-after-ms from the smallest predicted wait.
 
 How the request path uses it: one :class:`WorkerEstimate` per worker, told of every
@@ -85,7 +86,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TOKENS_UNIT = 1000.0  # the prefill fit's cost is per this many tokens (a conditioned matrix)
 EWMA_SAMPLES = 32  # service time and gateway delay: about the last 32 requests
@@ -476,62 +477,82 @@ def predict_ttft(
     )
 
 
-def held_shares(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) -> list[float]:
-    """How many of ``held_ahead`` requests held for any of ``estimates`` each worker takes
-    before the next one, as the slots free: every worker first finishes the requests it
-    holds beyond its slots, then frees slots at its rate, and each freed slot takes the next
-    held request. With ``T`` the time by which the workers have freed ``held_ahead + 1``
-    slots, a worker takes ``rate x T - backlog - 1`` of them (at least 0), so its
-    :func:`predict_ttft` waits ``T`` exactly when it is the one that frees in time.
-    A worker with no rate measured takes none."""
+@dataclass(frozen=True, slots=True)
+class PoolWait:
+    """When the full workers free the slot of a request with ``held_ahead`` requests held
+    before it: at ``seconds``, after ``completions`` completions at ``rate`` in all."""
+
+    seconds: float
+    completions: float
+    rate: float
+    backlog: dict[str, float]  # the workers that free a slot by then, and their backlog
+
+
+def pool_wait(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) -> PoolWait | None:
+    """The wait of a request held behind ``held_ahead`` others for any of ``estimates``.
+
+    A full worker first finishes the requests it holds beyond its slots (its backlog
+    ``b``), then frees slots at its rate ``r``, and each freed slot takes the next held
+    request; so by time ``T`` the workers have freed ``sum(max(0, r x T - b))`` slots, and
+    the request's is the ``held_ahead + 1``-th, less the slots free now. None when that is
+    no wait at all (no request held ahead, a worker never full, enough free slots) or no
+    full worker has a measured rate."""
     if held_ahead <= 0:
-        return [0.0] * len(estimates)
+        return None
     need = float(held_ahead + 1)
-    lines: list[tuple[float, float]] = []  # (backlog, rate) of the full workers
+    lines: list[tuple[float, float, str]] = []  # (backlog, rate, worker) of the full workers
     for est in estimates:
-        slots = est.slots(now)
-        if slots is None:
-            need -= math.inf
-            continue
-        occupancy = est.occupancy()
-        if occupancy < slots:
-            need -= slots - occupancy
-            continue
+        free = est.free_slots(now)
+        if free is None:
+            return None
+        need -= free
         rate = est.rate(now)
-        if rate:
-            lines.append((occupancy - slots, rate))
+        if not free and rate:
+            lines.append((est.occupancy() - float(est.slots(now) or 0), rate, est.worker))
     if need <= 0 or not lines:
-        return [0.0] * len(estimates)
-    # Solve sum(max(0, rate x T - backlog)) = need: piecewise linear, increasing in T.
-    lines.sort(key=lambda br: br[0] / br[1])
+        return None
+    # sum(max(0, r x T - b)) = need is piecewise linear and increasing in T: add the workers
+    # in the order they start freeing slots for the held requests until T falls before the
+    # next one starts.
+    lines.sort(key=lambda brw: brw[0] / brw[1])
     sum_b = sum_r = 0.0
     t = math.inf
-    for i, (b, r) in enumerate(lines):
+    used = 0
+    for i, (b, r, _) in enumerate(lines):
         sum_b += b
         sum_r += r
+        used = i + 1
         t = (need + sum_b) / sum_r
-        nxt = lines[i + 1][0] / lines[i + 1][1] if i + 1 < len(lines) else math.inf
-        if t <= nxt:
+        if used == len(lines) or t <= lines[used][0] / lines[used][1]:
             break
-    shares = []
-    for est in estimates:
-        slots = est.slots(now)
-        rate = est.rate(now)
-        occupancy = est.occupancy()
-        if slots is None or occupancy < slots or not rate:
-            shares.append(0.0 if slots is None or occupancy < slots else float(held_ahead))
-            continue
-        shares.append(max(0.0, rate * t - (occupancy - slots) - 1.0))
-    return shares
+    return PoolWait(t, need + sum_b, sum_r, {w: b for b, _, w in lines[:used]})
 
 
 def predict_all(
     estimates: Sequence[WorkerEstimate], prompt_tokens: int, held_ahead: int, now: float
 ) -> list[Prediction]:
-    """Every candidate's prediction, the ``held_ahead`` requests shared out as the workers'
-    slots free (:func:`held_shares`)."""
-    shares = held_shares(estimates, held_ahead, now)
-    return [predict_ttft(e, prompt_tokens, h, now) for e, h in zip(estimates, shares, strict=True)]
+    """Every candidate's prediction for a request with ``held_ahead`` requests held before
+    it. The held requests go to whichever worker frees a slot first (:func:`pool_wait`):
+    a worker that frees one by the pool's wait is predicted at that wait (its spread from the
+    completions the pool needs at its rate in all); the others at their own next free slot."""
+    pool = pool_wait(estimates, held_ahead, now)
+    out = []
+    for est in estimates:
+        if pool is None or est.worker not in pool.backlog:
+            out.append(predict_ttft(est, prompt_tokens, 0 if pool else held_ahead, now))
+            continue
+        p = predict_ttft(est, prompt_tokens, 0, now)
+        wait = pool.seconds
+        out.append(
+            replace(
+                p,
+                ttft=wait + p.prefill + p.gateway,
+                wait=wait,
+                ahead=pool.backlog[est.worker] + held_ahead,
+                wait_spread=WAIT_Z * math.sqrt(pool.completions) / pool.rate,
+            )
+        )
+    return out
 
 
 # ----- the decision ------------------------------------------------------------------------
@@ -609,10 +630,16 @@ def decide(
         best = min(now_fits, key=_ttft)
         return Dispatch(best.worker, best)
     if fits:
+        # Held for the workers on which it still fits if the slot comes late (at the wait's
+        # upper bound), until the latest dispatch that fits on the slowest of them.
         best = min(fits, key=_ttft)
-        slowest = max(p.prefill + p.gateway + p.prefill_spread for p in fits)
-        workers = frozenset(p.worker for p in fits)
-        return Hold(best.worker, best.wait or 0.0, start + target_s - slowest, workers)
+        wait = best.wait or 0.0
+        slot_by = now + wait + best.wait_spread
+        ends = [(p.prefill + p.gateway + p.prefill_spread, p.worker) for p in fits]
+        workers = [(cost, w) for cost, w in ends if slot_by + cost <= start + target_s]
+        slowest = max(cost for cost, _ in workers)
+        deadline = start + target_s - slowest
+        return Hold(best.worker, wait, deadline, frozenset(w for _, w in workers))
     idle = min(p.idle for p in predictions)
     waits = [p.wait for p in predictions if p.wait is not None]
     return Reject(min(waits) if waits else None, idle > left, idle)

@@ -46,7 +46,7 @@ from extproc.core.deadline import (
     Reject,
     WorkerEstimate,
     decide,
-    held_shares,
+    pool_wait,
     predict_all,
     predict_ttft,
 )
@@ -316,15 +316,16 @@ def test_admission_at_half_load_lets_nearly_everything_in() -> None:
 def test_two_workers_one_slowing_down_at_3x(seed: int) -> None:
     """Two workers share one held queue at 3x their capacity; at 150 s one becomes 2x slower.
     The target holds over the run and in >= 95 % of the 5-s windows; the plant serves >= 95 %
-    of what it serves with every request let in. Measured: p99 0.90-0.91 s, windows 98-100 %,
-    100-102 % served, 6 % of the admitted held past their deadline (2-3 % with no slowdown:
-    a held request waits for the workers whose prefill fits, the slowed one fits fewer)."""
+    of what it serves with every request let in. Measured: p99 0.92 s, windows 96-98 %,
+    100-102 % served, 8 % of the admitted held past their deadline (5 % with no slowdown;
+    3 % with one worker): the held queue is longer, and a request held at the edge, its
+    deadline at the 90th percentile of its wait, misses it 1 time in 10."""
     everything = admission(LetAllIn(), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
     got = admission(Admitting(), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
     assert got["p99"] <= TARGET, got
     assert got["windows_within"] >= 0.95, got
     assert got["served_per_s"] >= 0.95 * everything["served_per_s"], (got, everything)
-    assert got["expired"] <= 0.08 * got["admitted"], got
+    assert got["expired"] <= 0.10 * got["admitted"], got
     blind = admission(Admitting(blind=True), P, 3.0, seed, workers=2, slow=(150.0, 2.0))
     assert blind["p99"] > TARGET, blind
 
@@ -708,16 +709,60 @@ def full_worker(name: str, slots: int, service: float) -> tuple[WorkerEstimate, 
 def test_held_requests_go_to_whichever_worker_frees_first() -> None:
     fast, t = full_worker("fast", 4, 1.0)  # 4 per second
     slow, _ = full_worker("slow", 4, 4.0)  # 1 per second
-    assert held_shares([fast, slow], 0, t) == [0.0, 0.0]
+    assert pool_wait([fast, slow], 0, t) is None
     preds = predict_all([fast, slow], 1000, 9, t)
     # 10 slots needed at 5 per second: 2 s; the fast worker frees 8 of them, the slow 2.
     assert preds[0].wait == pytest.approx(2.0, rel=0.02)
     assert preds[1].wait == pytest.approx(2.0, rel=0.02)
     alone = predict_ttft(fast, 1000, 9, t)
     assert alone.wait == pytest.approx(10 / 4, rel=0.02)  # as if the fast one took them all
+    # Free slots for the held request ahead and for this one: no wait, it starts now.
+    free, _ = full_worker("free", 4, 1.0)
+    free.ended(0, t + 0.1)
+    assert pool_wait([fast, free], 1, t) is not None  # one free slot: the held one takes it
+    free.ended(1, t + 0.1)
+    assert pool_wait([fast, free], 1, t) is None
+    assert predict_all([fast, free], 1000, 1, t)[1].can_start
 
 
-@given(st.integers(0, 40))
-def test_one_worker_takes_every_held_request(held: int) -> None:
+@given(st.integers(0, 40), st.integers(0, 5))
+def test_one_worker_waits_for_its_backlog_and_every_held_request(held: int, backlog: int) -> None:
     est, t = full_worker("w", 3, 1.5)
-    assert held_shares([est], held, t) == [pytest.approx(float(held))]
+    for j in range(backlog):
+        est.dispatched(("b", j), 1000, t)
+    [p] = predict_all([est], 1000, held, t)
+    assert p.wait == pytest.approx((backlog + held + 1) / 2.0, rel=0.01)
+    assert p.wait == pytest.approx(predict_ttft(est, 1000, held, t).wait)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 8), st.sampled_from([0.5, 1.0, 2.0, 4.0]), st.integers(0, 6)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 40),
+)
+def test_the_smallest_predicted_wait_is_when_the_workers_have_freed_enough_slots(
+    workers: list[tuple[int, float, int]], held: int
+) -> None:
+    """Full workers (slots, service s, backlog beyond the slots): the smallest predicted wait
+    is the time by which they free ``held + 1`` slots in all, each after its backlog."""
+    ests = []
+    for i, (slots, service, backlog) in enumerate(workers):
+        est, t = full_worker(f"w{i}", slots, service)
+        for j in range(backlog):
+            est.dispatched(("b", j), 1000, t)
+        ests.append(est)
+    preds = predict_all(ests, 1000, held, t)
+    first = min(p.wait for p in preds if p.wait is not None)
+    freed = 0.0
+    for e in ests:
+        rate, total = e.rate(t), e.total_slots
+        assert rate is not None and total is not None
+        freed += max(0.0, rate * first - (e.occupancy() - total))
+    assert freed == pytest.approx(held + 1, rel=1e-6)
+    for e, p in zip(ests, preds, strict=True):  # none is predicted after its own free slot
+        own = predict_ttft(e, 1000, held, t).wait
+        assert p.wait is not None and own is not None
+        assert p.wait <= own + 1e-9
