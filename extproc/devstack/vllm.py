@@ -202,23 +202,35 @@ class VllmServer(Proc):
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM (vLLM stops its engine core itself in 2-3 s), else SIGKILL; then whatever
-        is left of its session (the engine core of a server killed with SIGKILL)."""
+        is left of its session (the engine core of a server killed with SIGKILL), waited for
+        until it is gone."""
         code = super().stop(timeout)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)  # the session's group: pgid == the server's pid
+        if self.session():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)  # the session's group: pgid == its pid
+            wait_until(lambda: not self.session(), timeout, f"{self.name}'s processes gone")
         return code
+
+    def session(self) -> list[int]:
+        """The live processes of the server's session (it leads it): the server, its
+        engine core and their helpers."""
+        return [pid for pid, _ in self._session_stats()]
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and its engine core together."""
-        total = 0
+        page = os.sysconf("SC_PAGE_SIZE")
+        return sum(int(fields[21]) * page for _, fields in self._session_stats())
+
+    def _session_stats(self) -> list[tuple[int, list[str]]]:
+        found = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
-                continue
-            if int(fields[3]) == self.pid:  # its session (the server leads it)
-                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        return total
+                continue  # exited meanwhile
+            if int(fields[3]) == self.pid and fields[0] not in ("Z", "X"):
+                found.append((int(stat.parent.name), fields))
+        return found
 
 
 def main(argv: Sequence[str]) -> None:

@@ -93,7 +93,7 @@ def _docker_compose(*args: str) -> str:
 def test_compose_config_is_valid() -> None:
     _docker_compose("-f", str(COMPOSE), "config", "-q")
     # The profiles are valid too.
-    for profile in ("loadtest", "llamacpp"):
+    for profile in ("loadtest", "llamacpp", "vllm"):
         _docker_compose("-f", str(COMPOSE), "--profile", profile, "config", "-q")
     services = _docker_compose("-f", str(COMPOSE), "--profile", "loadtest", "config", "--services")
     # docker-compose 1.29 lists every service here, whatever the profile.
@@ -101,6 +101,7 @@ def test_compose_config_is_valid() -> None:
         "extproc",
         "worker",
         "llamacpp",
+        "vllm",
         "envoy",
         "locust",
         "prometheus",
