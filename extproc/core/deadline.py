@@ -206,9 +206,8 @@ class WorkerEstimate:
         self.waiting: int | None = None
         self.active: int | None = None
         self.total_slots: int | None = None  # 0 counts as not reported
-        self.reported = False  # any load report at all
         self.extra = 0  # requests the engine counted beyond the router's own
-        # Gateway-only slots: the occupancy at which a request was seen queueing.
+        # Slots learnt from the timings when none are reported (the module's rule).
         self.slots_guess: int | None = None
         self.guessed_at = -math.inf
 
@@ -292,7 +291,6 @@ class WorkerEstimate:
         total: int | None = None,
     ) -> None:
         """A load report from the engine (each field None when not reported)."""
-        self.reported = True
         self.waiting, self.active = waiting, active
         self.total_slots = total or None
         if self.total_slots is None and active and self.slots_guess is not None:
