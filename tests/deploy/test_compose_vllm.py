@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import PurePosixPath
 
 import pytest
@@ -97,10 +98,13 @@ def test_vllm_engine_command_accepts_its_flags() -> None:
         if os.environ.get("CI"):
             pytest.fail(f"vLLM is required under CI: {exc}", pytrace=False)
         pytest.skip(f"vLLM is not installed: {exc}")
+    assert python.is_file()
+    # The command the container runs: it starts vLLM's server from its own virtualenv.
     help_text = subprocess.run(
-        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--help=all"],
+        [sys.executable, "-m", "extproc.devstack.vllm", "--help=all"],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     ).stdout  # fmt: skip
+    assert "--served-model-name" in help_text, help_text[-2000:]
     for flag in _flags(engine[3:]):
         assert _help_lists(help_text, flag), f"vLLM's api_server --help=all has no {flag}"
 
