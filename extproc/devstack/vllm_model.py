@@ -76,7 +76,7 @@ def convert(gguf: Path, out: Path) -> float:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = ["LlamaForCausalLM"]
-    config.torch_dtype = torch.bfloat16
+    config.dtype = torch.bfloat16
     model = LlamaForCausalLM(config)
     result = model.load_state_dict(loaded.state_dict(), strict=False)
     unexpected = list(result.unexpected_keys)
