@@ -25,6 +25,7 @@ from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import MAX_FALLBACKS, Scheduler
 from extproc.events.curve import REFUSED_REASONS, CurveClient, CurveServer, load_key_pair
 from extproc.events.replica import ReplicaPublisher
+from extproc.events.resolver import EndpointResolver
 from extproc.events.subscriber import EventBindError, EventSubscriber
 from extproc.handlers.body_budget import MIB, BodyBudget
 from extproc.handlers.processor import PROCESS_PATH, SERVICE_NAME, ExtProcHandler
@@ -254,6 +255,11 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     # Measurements reach the latency controller from where they are taken; the pool only
     # receives the limits it sets.
     subscriber.on_engine_ttft = latency.observe_engine
+    # Endpoints announced by host name are looked up off the request path, so that a host
+    # Envoy names by its address (the served host) matches them.
+    resolver = EndpointResolver(pool)
+    subscriber.on_announced = resolver.announced
+    parts.push_async_callback(resolver.close)
     readiness.events_bound = True
     if sharing:
         replicas = ReplicaPublisher(

@@ -147,6 +147,8 @@ def worker_view(
         "worker_id": worker.worker_id,
         "model": worker.model or None,
         "endpoint": worker.endpoint or None,
+        # An endpoint announced by host name: the ip:port forms it resolved to.
+        "addresses": sorted(worker.addresses),
         "worker_type": worker.worker_type,
         "dp_size": worker.dp_size,
         "kv_total_blocks": worker.kv_total_blocks,

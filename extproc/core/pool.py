@@ -77,6 +77,9 @@ class WorkerPool:
         self.by_model: dict[str, list[Worker]] = {}
         # One endpoint serving one model is one engine: the worker that announced it last.
         self.by_endpoint: dict[tuple[str, str], Worker] = {}
+        # The addresses of endpoints announced by host name, as looked up off the request
+        # path (extproc.events.resolver): endpoint -> its ``ip:port`` forms.
+        self.resolved: dict[str, frozenset[str]] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
@@ -173,6 +176,7 @@ class WorkerPool:
             ranks.extend(Rank(i) for i in range(len(ranks), size))
             worker.ranks = ranks
         worker.endpoint = endpoint
+        worker.addresses = self.resolved.get(endpoint, frozenset())
         worker.kv_total_blocks = kv_total_blocks
         worker.block_size = block_size or DEFAULT_BLOCK_SIZE
         worker.max_num_batched_tokens = max_num_batched_tokens
@@ -240,6 +244,24 @@ class WorkerPool:
         self._refresh_rank(worker, rank)
         return worker
 
+    def set_addresses(self, endpoint: str, addresses: frozenset[str]) -> None:
+        """The ``ip:port`` forms of ``endpoint`` (announced by host name), for every worker
+        announcing it now or later."""
+        self.resolved[endpoint] = addresses
+        for worker in self.workers.values():
+            if worker.endpoint == endpoint:
+                worker.addresses = addresses
+
+    def worker_at(self, address: str, model: str) -> Worker | None:
+        """The worker of ``model`` at ``address``: its announced endpoint, else an
+        endpoint whose host name resolved to it."""
+        worker = self.by_endpoint.get((address, model))
+        if worker is None:
+            for other in self.by_model.get(model, ()):
+                if address in other.addresses:
+                    return other
+        return worker
+
     def leave(self, worker_id: str) -> bool:
         """The worker is gone (``bye`` or TTL); False if it was not known."""
         worker = self.workers.pop(worker_id, None)
@@ -249,6 +271,10 @@ class WorkerPool:
             self._unlink(worker)
             if self.by_endpoint.get((worker.endpoint, worker.model)) is worker:
                 del self.by_endpoint[(worker.endpoint, worker.model)]
+            if worker.addresses and all(
+                w.endpoint != worker.endpoint for w in self.workers.values()
+            ):
+                self.resolved.pop(worker.endpoint, None)
         return True
 
     def expire(self) -> list[str]:

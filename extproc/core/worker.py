@@ -105,6 +105,7 @@ class Worker:
     """One worker (an engine process group behind one endpoint)."""
 
     __slots__ = (
+        "addresses",
         "block_size",
         "busy",
         "busy_by_class",
@@ -153,6 +154,14 @@ class Worker:
         # and per class variant where class targets set a lower one (empty: none).
         self.latency_scale = 1.0
         self.latency_scales: tuple[float, ...] = ()
+        # The ``ip:port`` forms of an endpoint announced by host name, once looked up
+        # (Envoy names a served host by its address); empty for an IP endpoint.
+        self.addresses: frozenset[str] = frozenset()
+
+    def serves_at(self, address: str) -> bool:
+        """Whether ``address`` (an ``ip:port`` Envoy connected to) is this worker's endpoint,
+        as announced or as its host name resolved."""
+        return address == self.endpoint or address in self.addresses
 
     def kv_total(self, rank: Rank) -> int | None:
         return (

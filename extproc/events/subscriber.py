@@ -56,6 +56,8 @@ DRAIN_BATCH = 16
 
 # Told of a configured worker's engine-reported TTFT buckets (the latency controller).
 EngineTtftSink = Callable[[Worker, list[tuple[float, int]]], None]
+# Told of a worker whose ``config`` was applied (the resolver of announced host names).
+AnnouncedSink = Callable[[Worker], None]
 
 
 def apply_event(
@@ -64,11 +66,13 @@ def apply_event(
     peers: PeerEstimates | None = None,
     classes: ClassRegistry | None = None,
     engine_ttft: EngineTtftSink | None = None,
+    announced: AnnouncedSink | None = None,
 ) -> None:
     """Hand one validated event to the pool; a refusal becomes :class:`EventRejected`.
 
     Messages of other extproc replicas apply only when sharing is on (``peers``). The
-    engine's own TTFT buckets of a load event go to ``engine_ttft``, not to the pool."""
+    engine's own TTFT buckets of a load event go to ``engine_ttft``, not to the pool; a worker
+    whose ``config`` was applied, to ``announced``."""
     try:
         if type(event) is LoadEvent:
             worker = pool.report_load(
@@ -92,6 +96,8 @@ def apply_event(
                 dp_size=event.dp_size,
                 worker_type=event.worker_type,
             )
+            if announced is not None:
+                announced(pool.workers[event.worker_id])
             for other in displaced:
                 log.info(
                     "worker %s announced endpoint %s; worker %s, which held it, is removed",
@@ -187,6 +193,8 @@ class EventSubscriber:
         self.endpoints: list[str] = []
         # Where the engine-reported TTFT buckets of load events go (set by the wiring).
         self.on_engine_ttft: EngineTtftSink | None = None
+        # Told of every worker whose ``config`` was applied (set by the wiring).
+        self.on_announced: AnnouncedSink | None = None
 
     async def start(self, bind: list[str], connect: list[str]) -> None:
         self._transport, _ = await aiozmq.create_zmq_connection(lambda: _SubProtocol(self), zmq.SUB)
@@ -216,7 +224,9 @@ class EventSubscriber:
                 raise EventRejected(DROP_FRAMES, f"{len(frames)} frames, expected 2")
             topic = frames[0]
             event = decode(topic, frames[1])
-            apply_event(self.pool, event, self.peers, self.classes, self.on_engine_ttft)
+            apply_event(
+                self.pool, event, self.peers, self.classes, self.on_engine_ttft, self.on_announced
+            )
         except EventRejected as exc:
             self.metrics.dropped[exc.reason].inc()
             if log.isEnabledFor(logging.DEBUG):

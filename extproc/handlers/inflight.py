@@ -212,7 +212,7 @@ class InFlight:
             if flagged or status == 529 or status in self.table.busy_statuses:
                 return self._worker_rejected()
         ticket = self.ticket
-        if served and served != ticket.worker.endpoint:
+        if served and not ticket.worker.serves_at(served):
             self._served_elsewhere(served)
         if end_of_stream:
             self.table.pool.release(ticket)
@@ -261,10 +261,10 @@ class InFlight:
         refused = [ticket.worker]
         if endpoint in self.fallbacks:
             for fallback in self.fallbacks[: self.fallbacks.index(endpoint)]:
-                worker = pool.by_endpoint.get((fallback, model))
+                worker = pool.worker_at(fallback, model)
                 if worker is not None:
                     refused.append(worker)
-        served = pool.by_endpoint.get((endpoint, model))
+        served = pool.worker_at(endpoint, model)
         pool.move(ticket, served)
         for worker in refused:
             pool.mark_overloaded(worker)

@@ -67,7 +67,8 @@ UPSTREAM_FAILURE_HEADER = "x-upstream-failure"
 REQUEST_ID_HEADER = "x-request-id"
 # Set by the shipped Envoy configs' inference routes on every upstream response to the
 # host that served it (%UPSTREAM_HOST%, overwriting a worker's own), and removed before the
-# client sees it.
+# client sees it. In the Endpoint Picker protocol the gateway says the same in the
+# response's metadata, under envoy.lb, with this key.
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 # gRPC initial metadata of the observability-mode filter (counts output tokens only).
 ROLE_METADATA = "x-extproc-role"
@@ -91,6 +92,18 @@ Reply = Replies | tuple[bytes, Awaitable[Replies]]
 
 def _header_value(h: Any) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
+
+
+def _served_in_metadata(req: ep.ProcessingRequest) -> str:
+    """The served host the gateway put in the response's metadata (envoy.lb namespace,
+    x-gateway-destination-endpoint-served), or "" when it did not say."""
+    meta = req.metadata_context.filter_metadata
+    if replies.LB_NAMESPACE not in meta:
+        return ""
+    fields = meta[replies.LB_NAMESPACE].fields
+    if SERVED_HEADER not in fields:
+        return ""
+    return fields[SERVED_HEADER].string_value
 
 
 class _Stream:
@@ -217,7 +230,7 @@ class ExtProcHandler:
                     return self._on_duplex_request_headers(st, req)
                 return self._on_request_headers(st, req)
             if kind == "response_headers":
-                return self._on_response_headers(st, req.response_headers)
+                return self._on_response_headers(st, req)
             if kind == "response_body":
                 return self._on_response_body(st, req.response_body)
             if kind == "request_trailers" and st.duplex_body is not None:
@@ -364,6 +377,14 @@ class ExtProcHandler:
             return None
         budget.release(st)
         self.metrics.body_rejected["budget"].inc()
+        count = budget.refused(time.monotonic())
+        if count is not None:
+            log.warning(
+                "request body budget full: %d bod%s refused with the overload reply since the "
+                "last line; the full-duplex bodies being gathered (%d) hold %d of %d bytes "
+                "(--request-body-budget-mib); counted in extproc_request_body_rejections_total",
+                count, "y" if count == 1 else "ies", budget.streams, budget.used, budget.limit,
+            )  # fmt: skip
         return self.replies.overload(1, BODY_BUDGET_REASON, st.request_class)
 
     def _duplex_decide(self, st: _Stream, after: list[bytes] | None = None) -> Reply:
@@ -512,10 +533,11 @@ class ExtProcHandler:
 
     # ----- response phase ---------------------------------------------------------------
 
-    def _on_response_headers(self, st: _Stream, msg: ep.HttpHeaders) -> bytes:
+    def _on_response_headers(self, st: _Stream, req: ep.ProcessingRequest) -> bytes:
         routed = st.routed
         if routed is None:
             return replies.CONTINUE_RESPONSE_HEADERS
+        msg = req.response_headers
         status = 0
         flagged = unreachable = event_stream = False
         served = ""
@@ -533,6 +555,8 @@ class ExtProcHandler:
                 served = _header_value(h)
             elif key == "content-type" and _header_value(h).startswith("text/event-stream"):
                 event_stream = True
+        if self.subset_hints is not None:  # the Endpoint Picker protocol: also the metadata
+            served = _served_in_metadata(req) or served
         refused = routed.response_headers(
             status,
             flagged=flagged,

@@ -371,3 +371,27 @@ def test_any_sequence_of_moves_leaves_nothing_behind(seed: int) -> None:
         pool.release(t)
     for w in workers:
         assert estimate(w) == [(0, 0, 0)] * len(w.ranks) and not w.busy
+
+
+def test_a_name_announced_endpoint_is_found_by_its_resolved_address() -> None:
+    pool, _ = make_pool()
+    pool.announce("w", model="m", endpoint="worker-w:8000")
+    pool.announce("v", model="m2", endpoint="worker-w:8000")  # the same engine, another model
+    assert pool.worker_at("10.0.0.7:8000", "m") is None
+    pool.set_addresses("worker-w:8000", frozenset({"10.0.0.7:8000"}))
+    w = pool.workers["w"]
+    assert pool.worker_at("10.0.0.7:8000", "m") is w
+    assert pool.worker_at("10.0.0.7:8000", "m2") is pool.workers["v"]
+    assert pool.worker_at("worker-w:8000", "m") is w
+    assert w.serves_at("10.0.0.7:8000") and w.serves_at("worker-w:8000")
+    assert not w.serves_at("10.0.0.8:8000")
+    # A worker announcing the name later has the addresses at once; a move drops them.
+    pool.announce("u", model="m3", endpoint="worker-w:8000")
+    assert pool.workers["u"].addresses == {"10.0.0.7:8000"}
+    pool.announce("u", model="m3", endpoint="worker-u:8000")
+    assert pool.workers["u"].addresses == frozenset()
+    # The last worker of the name gone, its addresses are forgotten.
+    pool.leave("w")
+    assert "worker-w:8000" in pool.resolved
+    pool.leave("v")
+    assert "worker-w:8000" not in pool.resolved

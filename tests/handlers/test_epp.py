@@ -328,3 +328,124 @@ def test_a_duplex_body_larger_than_the_limit_is_400(monkeypatch: pytest.MonkeyPa
     assert isinstance(out, bytes)
     imm = ep.ProcessingResponse.FromString(out).immediate_response
     assert imm.status.code == 400 and b"larger than 8 bytes" in imm.body
+
+
+# ----- the served host in the response's metadata ----------------------------------------
+
+
+def response_headers(served: str | None = None, header: str | None = None) -> bytes:
+    """A 200 response's headers; ``served`` in the envoy.lb metadata, ``header`` as the
+    x-gateway-destination-endpoint-served header (the Envoy wiring's way)."""
+    pairs = {":status": "200", "content-type": "application/json"}
+    if header is not None:
+        pairs[processor.SERVED_HEADER] = header
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    req = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hm))
+    if served is not None:
+        lb = req.metadata_context.filter_metadata[LB_NAMESPACE]
+        lb.fields[processor.SERVED_HEADER].string_value = served
+    return req.SerializeToString()
+
+
+def routed(handler: ExtProcHandler) -> RequestSession:
+    """A session whose request was routed (to B, the less loaded)."""
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    session.receive(request_headers())
+    session.receive(body())
+    assert session.st.routed is not None and session.st.routed.ticket.worker.endpoint == B
+    return session
+
+
+def inflight(handler: ExtProcHandler) -> dict[str, int]:
+    return {wid: w.ranks[0].inflight for wid, w in handler.pool.workers.items()}
+
+
+def served_elsewhere(handler: ExtProcHandler, served: str) -> float:
+    value = handler.metrics.registry.get_sample_value(
+        "extproc_served_elsewhere_total", {"model": "m", "served": served}
+    )
+    return value or 0.0
+
+
+def test_the_estimate_follows_the_served_host_named_in_the_metadata() -> None:
+    handler = make()
+    session = routed(handler)
+    assert inflight(handler) == {"a": 0, "b": 1}
+    session.receive(response_headers(served=A))  # an Envoy retry moved it to A
+    assert inflight(handler) == {"a": 1, "b": 0}
+    assert handler.pool.workers["b"].state(handler.pool.clock()) == "overloaded"
+    assert served_elsewhere(handler, "worker") == 1
+    session.close()
+    assert inflight(handler) == {"a": 0, "b": 0}
+
+
+def test_the_served_pick_in_the_metadata_changes_nothing() -> None:
+    handler = make()
+    session = routed(handler)
+    session.receive(response_headers(served=B))
+    assert inflight(handler) == {"a": 0, "b": 1}
+    assert handler.pool.workers["b"].state(handler.pool.clock()) == "free"
+    assert served_elsewhere(handler, "worker") == served_elsewhere(handler, "unknown") == 0
+
+
+def test_an_unknown_served_host_in_the_metadata_releases_the_estimate() -> None:
+    handler = make()
+    session = routed(handler)
+    session.receive(response_headers(served="10.9.9.9:8000"))
+    assert inflight(handler) == {"a": 0, "b": 0}
+    assert served_elsewhere(handler, "unknown") == 1
+
+
+def test_the_envoy_protocol_reads_the_header_not_the_metadata() -> None:
+    handler = make(protocol="envoy")
+    session = routed(handler)
+    session.receive(response_headers(served=A))
+    assert inflight(handler) == {"a": 0, "b": 1}
+    session.receive(response_headers(header=A))
+    assert inflight(handler) == {"a": 1, "b": 0}
+
+
+@pytest.mark.parametrize("protocol", ["epp", "envoy"])
+def test_a_worker_announced_by_host_name_matches_its_address(protocol: str) -> None:
+    """B announces ``worker-b:8000``; Envoy names the host it served from by its address.
+    Once the name is resolved that address is B: nothing moves, B is not marked."""
+    handler = make(protocol=protocol)
+    pool = handler.pool
+    pool.announce("b", model="m", endpoint="worker-b:8000", kv_total_blocks=10)
+    pool.set_addresses("worker-b:8000", frozenset({B}))
+    session = routed_to(handler, "worker-b:8000")
+    served = {"served": B} if protocol == "epp" else {"header": B}
+    session.receive(response_headers(**served))
+    assert inflight(handler) == {"a": 0, "b": 1}
+    assert pool.workers["b"].state(pool.clock()) == "free"
+    assert served_elsewhere(handler, "worker") == served_elsewhere(handler, "unknown") == 0
+    # Retried onto a name-announced worker: the estimate finds it by its address too.
+    pool.announce("a", model="m", endpoint="worker-a:8000", kv_total_blocks=10)
+    pool.set_addresses("worker-a:8000", frozenset({A}))
+    pool.report_load("a", active_decode_blocks=4)  # free, more loaded than B
+    other = routed_to(handler, "worker-b:8000")
+    other.receive(response_headers(**({"served": A} if protocol == "epp" else {"header": A})))
+    assert inflight(handler) == {"a": 1, "b": 1}
+    assert served_elsewhere(handler, "worker") == 1
+
+
+def routed_to(handler: ExtProcHandler, endpoint: str) -> RequestSession:
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    session.receive(request_headers())
+    session.receive(body())
+    assert session.st.routed is not None
+    assert session.st.routed.ticket.worker.endpoint == endpoint
+    return session
+
+
+def test_without_the_name_resolved_the_address_is_another_host() -> None:
+    """What the lookup prevents: an unresolved name never matches Envoy's address."""
+    handler = make()
+    handler.pool.announce("b", model="m", endpoint="worker-b:8000", kv_total_blocks=10)
+    session = routed_to(handler, "worker-b:8000")
+    session.receive(response_headers(served=B))
+    assert served_elsewhere(handler, "unknown") == 1

@@ -29,7 +29,15 @@ from extproc.devstack import (
     metric_value,
     wait_until,
 )
-from tests.support.envoy_wirings import full_duplex, gateway_subset_hint, override_host_pool
+from extproc.handlers.processor import SERVED_HEADER
+from extproc.handlers.replies import LB_NAMESPACE
+from tests.support.envoy_wirings import (
+    MAIN_FILTER,
+    full_duplex,
+    gateway_subset_hint,
+    http_filters,
+    override_host_pool,
+)
 
 CHAT = "/v1/chat/completions"
 KV = 10  # blocks per worker; above 5 in use is busy (threshold 0.5)
@@ -346,3 +354,142 @@ def test_with_fallbacks_a_refusing_pick_is_retried_on_the_next_listed(
         assert seen["destination"] == f"{a},{b}"
     finally:
         pub.close()
+
+
+# ----- the served host, named in the response's metadata ----------------------------------
+
+# The test's stand-in for a gateway that names the host that served a response in the
+# response's metadata (envoy.lb / x-gateway-destination-endpoint-served): the route adds the
+# upstream host as a response header, and a Lua filter after ext_proc (so it sees the response
+# first) moves it into the metadata, which the ext_proc filter forwards.
+SERVED_TEST_HEADER = "x-test-served"
+SERVED_LUA = f"""
+function envoy_on_response(handle)
+  local served = handle:headers():get("{SERVED_TEST_HEADER}")
+  if served == nil then return end
+  handle:headers():remove("{SERVED_TEST_HEADER}")
+  handle:streamInfo():dynamicMetadata():set("{LB_NAMESPACE}", "{SERVED_HEADER}", served)
+end
+"""
+
+
+def served_metadata(cfg: dict[str, Any]) -> None:
+    """envoy/envoy-epp.yaml whose responses carry the served host in envoy.lb metadata."""
+    filters = http_filters(cfg)
+    main = next(f for f in filters if f["name"] == MAIN_FILTER)
+    forwarding = main["typed_config"]["metadata_options"]["forwarding_namespaces"]
+    forwarding["untyped"] = [*forwarding["untyped"], LB_NAMESPACE]
+    filters.insert(
+        filters.index(main) + 1,
+        {
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": SERVED_LUA},
+            },
+        },
+    )
+    listener = cfg["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    route["response_headers_to_add"] = [
+        {"header": {"key": SERVED_TEST_HEADER, "value": "%UPSTREAM_HOST%"}}
+    ]
+
+
+@pytest.fixture(scope="module")
+def served(log_dir: Path, echo_workers: dict[str, int]) -> Iterator[tuple[Extproc, Envoy]]:
+    """--epp-fallbacks 2, a data plane that takes the list (override_host over echo workers
+    a and b), and the served host in the response's metadata."""
+    ext = Extproc(
+        log_dir,
+        ["--protocol", "epp", "--epp-fallbacks", "2", "--active-decode-blocks-threshold", "0.5",
+         "--worker-ttl", "300"],
+    )  # fmt: skip
+    pool = override_host_pool([echo_workers["a"], echo_workers["b"]])
+
+    def tweak(cfg: dict[str, Any]) -> None:
+        pool(cfg)
+        served_metadata(cfg)
+
+    envoy = Envoy(log_dir, ext, [], tweak=tweak, source=checkout_file("envoy/envoy-epp.yaml"))
+    yield ext, envoy
+    envoy.stop()
+    ext.stop()
+
+
+def _served_elsewhere(ext: Extproc, model: str, served: str) -> float:
+    labels = {"model": model, "served": served}
+    return metric_value(ext.metrics(), "extproc_served_elsewhere_total", labels) or 0.0
+
+
+def test_the_estimate_follows_the_host_served_named_in_the_metadata(
+    served: tuple[Extproc, Envoy], echo_workers: dict[str, int]
+) -> None:
+    """a is picked, refuses with a 529, and Envoy retries on b: the response's metadata names
+    b, so the estimate moves to b and a is skipped as a refusing worker."""
+    ext, envoy = served
+    pub = Publisher(ext.event_endpoint)
+    try:
+        a, b = (f"127.0.0.1:{echo_workers[n]}" for n in ("a", "b"))
+        pub.announce(ext, "sa", "served", a, kv_total_blocks=KV)
+        pub.announce(ext, "sb", "served", b, kv_total_blocks=KV)
+        pub.load("sa", active_decode_blocks=0)
+        pub.load("sb", active_decode_blocks=1)
+        wait_until(
+            lambda: ext.workers()["sb"]["ranks"][0]["reported"]["active_decode_blocks"] == 1,
+            10,
+            "sb's load applied",
+        )
+        body = {"model": "served", "messages": [{"role": "user", "content": "hello"}]}
+        status, headers, raw = http(
+            "POST", envoy.url + CHAT, body, {"x-test-status": "529", "x-test-status-for": "a"}
+        )
+        assert status == 200, raw
+        assert json.loads(raw)["worker_id"] == "b"
+        assert SERVED_TEST_HEADER not in {k.lower() for k in headers}
+        assert _served_elsewhere(ext, "served", "worker") == 1
+        assert _served_elsewhere(ext, "served", "unknown") == 0
+        assert ext.workers()["sa"]["state"] == "overloaded"
+        wait_until(
+            lambda: all(
+                ext.workers()[w]["ranks"][0]["router_estimate"]["requests_in_flight"] == 0
+                for w in ("sa", "sb")
+            ),
+            10,
+            "estimates back to 0",
+        )
+    finally:
+        pub.close()
+
+
+def test_a_worker_announced_by_host_name_matches_the_served_address(
+    served: tuple[Extproc, Envoy], log_dir: Path, echo_workers: dict[str, int]
+) -> None:
+    """Worker ha announces ``localhost:<a's port>``; Envoy names the host that served by its
+    IP. override_host cannot use a name, so a data plane whose pool is a alone serves there:
+    every response is ha's own, so nothing moves and ha is never skipped."""
+    ext, _ = served
+    pool = override_host_pool([echo_workers["a"]])
+
+    def tweak(cfg: dict[str, Any]) -> None:
+        pool(cfg)
+        served_metadata(cfg)
+
+    envoy = Envoy(log_dir, ext, [], tweak=tweak, source=checkout_file("envoy/envoy-epp.yaml"))
+    pub = Publisher(ext.event_endpoint)
+    try:
+        pub.announce(ext, "ha", "named", f"localhost:{echo_workers['a']}", kv_total_blocks=KV)
+        a = f"127.0.0.1:{echo_workers['a']}"
+        wait_until(lambda: a in ext.workers()["ha"]["addresses"], 10, "localhost resolved")
+        body = {"model": "named", "messages": [{"role": "user", "content": "hello"}]}
+        for _ in range(3):
+            status, _, raw = http("POST", envoy.url + CHAT, body)
+            assert status == 200, raw
+            assert json.loads(raw)["worker_id"] == "a"
+            assert ext.workers()["ha"]["state"] == "free"
+        assert _served_elsewhere(ext, "named", "unknown") == 0
+        assert _served_elsewhere(ext, "named", "worker") == 0
+    finally:
+        pub.close()
+        envoy.stop()
