@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 import pytest
@@ -177,6 +178,24 @@ def test_a_chunk_past_the_budget_is_the_overload_reply_and_the_others_go_on() ->
     second.close()
     first.close()
     assert handler.body_budget.used == 0 and handler.body_budget.streams == 0
+
+
+def test_a_refusal_is_logged_naming_the_setting_then_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handler = make(64 * KIB)
+    holder = session(handler)
+    assert holder.receive(headers(50 * KIB)) is None
+    with caplog.at_level(logging.WARNING, logger="extproc.handlers"):
+        for _ in range(3):
+            assert local(session(handler).receive(headers(10 * KIB)))[0] == 529
+    lines = [r.getMessage() for r in caplog.records if "body budget" in r.getMessage()]
+    assert lines == [
+        "request body budget full: 1 body refused with the overload reply since the last "
+        f"line; the full-duplex bodies being gathered (1) hold {50 * KIB} of {64 * KIB} bytes "
+        "(--request-body-budget-mib); counted in extproc_request_body_rejections_total"
+    ]
+    assert rejected(handler, "budget") == 3
 
 
 def test_a_declared_length_is_taken_at_the_headers() -> None:
