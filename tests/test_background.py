@@ -62,9 +62,7 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     calls = dict.fromkeys(BACKGROUND_TASKS, 0)
-    monkeypatch.setattr(
-        WorkerPool, "expire", _failing_first(calls, SWEEPER, WorkerPool.expire)
-    )
+    monkeypatch.setattr(WorkerPool, "expire", _failing_first(calls, SWEEPER, WorkerPool.expire))
     monkeypatch.setattr(
         LatencyControl, "tick", _failing_first(calls, LATENCY_CONTROLLER, LatencyControl.tick)
     )
