@@ -176,6 +176,7 @@ class VllmWorkers:
             model=self.model,
             endpoint=engine,
             worker_id=worker_id,
+            max_num_seqs=self.max_num_seqs,  # vLLM does not print it
             interval=self.interval,
             publish=self.publish,
         )

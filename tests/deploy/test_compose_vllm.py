@@ -84,6 +84,8 @@ def test_vllm_agent_watches_its_engine_and_announces_a_pool_member() -> None:
     compose_cfg = yaml.safe_load((ROOT / "envoy" / "envoy-compose.yaml").read_text())
     assert _endpoints(compose_cfg)["workers"][1] == [("worker", port)]
     assert engine[engine.index("--host") + 1] == "0.0.0.0"
+    # vLLM does not print max_num_seqs: the agent is told the engine's.
+    assert settings.max_num_seqs == int(engine[engine.index("--max-num-seqs") + 1])
     assert "--enforce-eager" in engine  # compiling the model would add 80-110 s to each start
     ext = load_settings(_argv(_services()["extproc"])[3:])
     event_port = ext.event_bind[0].rsplit(":", 1)[1]

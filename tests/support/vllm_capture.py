@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             [
                 "--engine", "vllm", "--engine-url", server.url, "--model", SERVED_MODEL,
                 "--endpoint", server.endpoint, "--worker-id", "vllm-capture",
-                "--interval", "0.2", "--publish", f"tcp://127.0.0.1:{agent_port}",
+                "--interval", "0.2", "--max-num-seqs", "4",
+                "--publish", f"tcp://127.0.0.1:{agent_port}",
             ],
             log_dir=args.logs,
             name="agent-vllm-capture",
