@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -56,6 +56,7 @@ from llmworker.engine_metrics import (
 from llmworker.llamacpp import SLOTS_PATH, missing_flag, parse_llamacpp
 from llmworker.netaddr import advertised_endpoint, join_host_port, join_url
 from llmworker.proxy import EngineProxy, PrefillLedger
+from llmworker.vllm_kv_events import KvEventSubscriber
 
 log = logging.getLogger("llmworker.agent")
 
@@ -109,11 +110,19 @@ def _total_blocks(
     return fallback
 
 
-def _decode_blocks(stats: RankStats, block_size: int, total: int | None) -> int | None:
+def usable_blocks(engine: Engine, total: int) -> int:
+    """The blocks that can hold tokens: vLLM keeps one of its ``num_gpu_blocks`` aside (its
+    null block) and its ``kv_cache_usage_perc`` is a fraction of the others."""
+    return max(total - 1, 0) if engine == "vllm" else total
+
+
+def _decode_blocks(
+    stats: RankStats, engine: Engine, block_size: int, total: int | None
+) -> int | None:
     if stats.kv_used_tokens is not None:
         return -(-stats.kv_used_tokens // block_size)
     if stats.kv_usage is not None and total:
-        return round(stats.kv_usage * total)
+        return round(stats.kv_usage * usable_blocks(engine, total))
     return None
 
 
@@ -151,7 +160,7 @@ def worker_view(
             own = proxied_prefill[dp_rank] if dp_rank < len(proxied_prefill) else 0
             prefill = max(own, prefill or 0)
         loads[dp_rank] = RankLoad(
-            active_decode_blocks=_decode_blocks(stats, block_size, total),
+            active_decode_blocks=_decode_blocks(stats, snapshot.engine, block_size, total),
             active_prefill_tokens=prefill,
             kv_total_blocks=total if total != config_total else None,
         )
@@ -169,6 +178,22 @@ def worker_view(
         ranks_seen=len(ranks),
         queues=queues,
     )
+
+
+def with_stored_blocks(view: WorkerView, engine: Engine, stored: dict[int, int]) -> WorkerView:
+    """``view`` with the blocks vLLM stored since the scrape (its KV events) added to each
+    rank's blocks in use, at most the blocks that can hold tokens (docs/worker.md)."""
+    loads = dict(view.loads)
+    for rank, added in stored.items():
+        load = loads.get(rank)
+        if load is None or load.active_decode_blocks is None or added <= 0:
+            continue
+        total = load.kv_total_blocks or view.kv_total_blocks
+        blocks = load.active_decode_blocks + added
+        if total:
+            blocks = min(blocks, usable_blocks(engine, total))
+        loads[rank] = replace(load, active_decode_blocks=max(blocks, load.active_decode_blocks))
+    return replace(view, loads=loads)
 
 
 # ---------------------------------------------------------------------------
@@ -207,6 +232,10 @@ class Agent:
         self._warned: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        # vLLM's KV events: blocks stored per rank at the start of the last good scrape.
+        self.kv_events: KvEventSubscriber | None = None
+        self._kv_anchor: dict[int, int] = {}
+        self._kv_busy_since: float | None = None  # a scrape first showed blocks held
 
     async def start(self) -> None:
         """Listen (proxy mode), then scrape every interval in the background."""
@@ -227,6 +256,17 @@ class Agent:
                 f"N={s.admission.engine_request_limit} Q={s.admission.queue_limit}"
                 if s.admission.enabled
                 else "off",
+            )
+        if s.kv_events_bind is not None:
+            self.kv_events = KvEventSubscriber(
+                s.kv_events_endpoints, s.kv_events_topic, on_stored=self._kv_stored
+            )
+            self.registry.register(self.kv_events.collector())
+            self.kv_events.start()  # OSError naming the flag if it cannot bind
+            log.info(
+                "listening for vLLM's KV events (topic %r) on %s",
+                s.kv_events_topic,
+                ", ".join(s.kv_events_endpoints),
             )
         log.info(
             "worker %s: scraping %s every %g s, announcing %s for model %s",
@@ -253,6 +293,8 @@ class Agent:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
     # scraping ----------------------------------------------------------------
 
@@ -276,6 +318,7 @@ class Agent:
     async def scrape_once(self) -> None:
         """One scrape: publish what it says, or record the failure."""
         self.scrapes += 1
+        marks = self._kv_marks()
         try:
             snapshot = await self._read_engine()
         except MetricsParseError as exc:
@@ -291,6 +334,7 @@ class Agent:
                 log.info("engine metrics at %s readable again", self.settings.metrics_url)
         self._state, self._down_since = "ok", None
         self.snapshot = snapshot
+        self._kv_anchor = marks
         await self._publish(snapshot)
 
     async def _read_engine(self) -> EngineSnapshot:
@@ -360,7 +404,54 @@ class Agent:
 
     def _view(self, snapshot: EngineSnapshot) -> WorkerView:
         proxied = self.ledger.per_rank() if self.proxy is not None else None
-        return worker_view(snapshot, self.settings, proxied)
+        view = worker_view(snapshot, self.settings, proxied)
+        if self.kv_events is None:
+            return view
+        return with_stored_blocks(view, snapshot.engine, self.kv_events_since_scrape())
+
+    # vLLM's KV events -----------------------------------------------------------
+
+    def _kv_marks(self) -> dict[int, int]:
+        """Blocks stored so far per rank (taken when a scrape starts)."""
+        if self.kv_events is None:
+            return {}
+        return {r: kv.stored_total for r, kv in self.kv_events.state.ranks.items()}
+
+    def kv_events_since_scrape(self) -> dict[int, int]:
+        """Blocks vLLM stored per rank since the last good scrape started."""
+        if self.kv_events is None:
+            return {}
+        return {
+            r: kv.stored_total - self._kv_anchor.get(r, 0)
+            for r, kv in self.kv_events.state.ranks.items()
+        }
+
+    def _kv_stored(self, dp_rank: int) -> None:
+        """vLLM stored blocks: publish the loads now (the publisher debounces)."""
+        self._publish_loads()
+
+    def _check_kv_events(self, base: WorkerView) -> None:
+        """Warn once when vLLM holds blocks for ``--kv-events-timeout`` seconds and no KV
+        event arrived (an idle vLLM sends none; two blocks held mean one was full, which
+        vLLM announces)."""
+        s = self.settings
+        if self.kv_events is None or self.kv_events.state.stats.messages:
+            return
+        if not any((load.active_decode_blocks or 0) >= 2 for load in base.loads.values()):
+            return
+        now = asyncio.get_running_loop().time()
+        if self._kv_busy_since is None:
+            self._kv_busy_since = now
+        elif now - self._kv_busy_since >= s.kv_events_timeout:
+            self._warn_once(
+                "--kv-events-config",
+                f"no KV event from vLLM on {', '.join(s.kv_events_endpoints)} although it "
+                f"has held blocks for {s.kv_events_timeout:g} s: start vLLM with "
+                '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": '
+                f'"zmq", "endpoint": "{s.kv_events_bind}", "topic": '
+                f'"{s.kv_events_topic}"}}\' (a host the agent binds, not *); '
+                "the agent goes on with the scrape alone",
+            )
 
     def _config_fields(self, view: WorkerView) -> dict[str, Any]:
         return {
@@ -374,6 +465,9 @@ class Agent:
     async def _publish(self, snapshot: EngineSnapshot) -> None:
         view = self._view(snapshot)
         self._warn_about_overrides(snapshot, view)
+        self._warn_about_missing(snapshot, view)
+        if self.kv_events is not None:
+            self._check_kv_events(worker_view(snapshot, self.settings))
         self.ledger.resize(view.dp_size)
         fields = self._config_fields(view)
         publisher = self.publisher
@@ -461,6 +555,41 @@ class Agent:
                 f"--dp-size {s.dp_size} but the engine reports {view.ranks_seen} ranks: "
                 f"announcing dp_size {view.dp_size}",
             )
+
+    def _warn_about_missing(self, snapshot: EngineSnapshot, view: WorkerView) -> None:
+        """A vLLM that does not print what the agent needs: say which flag supplies it."""
+        s = self.settings
+        if snapshot.engine != "vllm" or not snapshot.ranks:
+            return
+        first = snapshot.ranks[0]
+        if first.block_size is None and s.block_size is None:
+            self._warn_once(
+                "missing --block-size",
+                "vLLM's /metrics has no vllm:cache_config_info{block_size}: announcing "
+                f"block_size {view.block_size}; give --block-size with vLLM's block size "
+                "(128 on CPU, 16 on GPU unless vLLM's --block-size says otherwise)",
+            )
+        if view.kv_total_blocks is None:
+            self._warn_once(
+                "missing --kv-total-blocks",
+                "vLLM's /metrics has no vllm:cache_config_info{num_gpu_blocks}: "
+                "active_decode_blocks is not reported; give --kv-total-blocks with the "
+                "number of GPU blocks vLLM logs at start",
+            )
+        if first.slots_total is None and s.max_num_seqs is None:
+            self._warn_once(
+                "missing --max-num-seqs",
+                "vLLM's /metrics does not say its max_num_seqs: request_total_slots is not "
+                "reported; give --max-num-seqs with the value vLLM was started with",
+            )
+        if self.kv_events is not None:
+            sizes = {kv.block_size for kv in self.kv_events.state.ranks.values() if kv.block_size}
+            if sizes and sizes != {view.block_size}:
+                self._warn_once(
+                    "kv-events block size",
+                    f"vLLM's KV events have block_size {sorted(sizes)} but block_size "
+                    f"{view.block_size} is announced",
+                )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -47,6 +47,9 @@ class AgentSettings:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     dp_size: int | None = None
+    kv_events_bind: str | None = None
+    kv_events_topic: str = "kv-events"
+    kv_events_timeout: float = 30.0
     worker_type: str = "decode"
     heartbeat: float = 2.0
     debounce: float = 0.005
@@ -57,6 +60,15 @@ class AgentSettings:
     @property
     def metrics_url(self) -> URL:
         return join_url(self.engine_url, self.metrics_path)
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, ...]:
+        """Where the agent binds for vLLM's KV events: ``--kv-events-bind``'s port for rank
+        0, the next ports for the next ranks (vLLM offsets its endpoint by the rank)."""
+        if self.kv_events_bind is None:
+            return ()
+        base, port = _kv_events_parts(self.kv_events_bind)
+        return tuple(f"{base}:{port + r}" for r in range(self.dp_size or 1))
 
 
 def _engine_url(text: str) -> URL:
@@ -77,6 +89,27 @@ def _metrics_path(text: str) -> str:
 
 def _base_url(text: str) -> str:
     _engine_url(text)
+    return text
+
+
+def _kv_events_parts(text: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` split into ``tcp://HOST`` and the port."""
+    base, _, port = text.rpartition(":")
+    return base, int(port)
+
+
+def _kv_events_bind(text: str) -> str:
+    expected = (
+        "expected tcp://HOST:PORT to bind, with a port 1-65535 (the endpoint vLLM's "
+        "--kv-events-config names; vLLM connects to it)"
+    )
+    if not text.startswith("tcp://"):
+        raise ValueError(expected)
+    host, sep, port = text[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(expected)
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise ValueError(expected + "; an IPv6 host needs brackets")
     return text
 
 
@@ -199,6 +232,34 @@ class AgentFlags(cli.WorkerFlags):
         expected="an integer >= 1",
         ge=1,
     )
+    kv_events_bind: Annotated[str, AfterValidator(_kv_events_bind)] | None = option(
+        None,
+        "--kv-events-bind",
+        "engine",
+        "vLLM only: bind here for vLLM's own KV events, the endpoint of vLLM's "
+        "--kv-events-config (rank r of a data-parallel vLLM publishes to PORT + r; give "
+        "--dp-size); unset = the scrape alone",
+        metavar="tcp://HOST:PORT",
+        expected="tcp://HOST:PORT with a port 1-65535",
+    )
+    kv_events_topic: str = option(
+        "kv-events",
+        "--kv-events-topic",
+        "engine",
+        "the topic of vLLM's --kv-events-config",
+        metavar="TOPIC",
+        expected="a topic",
+    )
+    kv_events_timeout: Number = option(
+        30.0,
+        "--kv-events-timeout",
+        "engine",
+        "with --kv-events-bind: warn when vLLM has held blocks this many seconds and no KV "
+        "event has arrived",
+        metavar="SECONDS",
+        expected="a finite number of seconds > 0",
+        gt=0,
+    )
     model: str = option(
         ..., "--model", "worker", "served model name, as clients send it", expected="a name"
     )
@@ -257,6 +318,18 @@ class AgentFlags(cli.WorkerFlags):
             raise ValueError(
                 "--engine-request-limit needs --listen: only the proxy can admit requests"
             )
+        if self.kv_events_bind is not None:
+            if self.engine != "vllm":
+                raise ValueError(
+                    f"--kv-events-bind is for --engine vllm (vLLM's KV events), "
+                    f"not --engine {self.engine}"
+                )
+            _, port = _kv_events_parts(self.kv_events_bind)
+            if port + (self.dp_size or 1) - 1 > 65535:
+                raise ValueError(
+                    f"--kv-events-bind {self.kv_events_bind} with --dp-size {self.dp_size}: "
+                    "the last rank's port would be above 65535"
+                )
         endpoint = self.endpoint
         if endpoint is None and self.listen is not None:
             endpoint = join_host_port(self.listen[0], self.listen[1] or 1)
@@ -318,6 +391,9 @@ def parse_args(
         max_num_batched_tokens=flags.max_num_batched_tokens,
         max_num_seqs=flags.max_num_seqs,
         dp_size=flags.dp_size,
+        kv_events_bind=flags.kv_events_bind,
+        kv_events_topic=flags.kv_events_topic,
+        kv_events_timeout=flags.kv_events_timeout,
         worker_type=flags.worker_type,
         heartbeat=flags.heartbeat,
         curve=flags.curve(),
