@@ -2,12 +2,14 @@
 
 :meth:`Scheduler.decide` is the whole decision, one call on the pool's current flags, no
 I/O. A worker can be picked for a request while it is free for the request's class
-variant (:meth:`~extproc.core.pool.Worker.free_for`). ``kv`` mode takes the least-loaded
-free rank: KV utilisation (blocks / total; raw blocks when the total is unknown) first,
-then active prefill tokens; a rank with no data counts as 0. Ties go to the next worker
-in rotation so equal workers share the load. ``round-robin`` and ``random`` pick among
-the free workers. A routed request is recorded against its rank at once (its
-:class:`~extproc.core.pool.Ticket`), so the next decision already sees it.
+variant (:func:`is_free`): not busy, by the flags the pool recomputes on every load
+report, dispatch, release and threshold change, and not marked overloaded. Picking reads
+those flags and the ranks' loads as plain values. ``kv`` mode takes the least-loaded free
+rank: KV utilisation (blocks / total; raw blocks when the total is unknown) first, then
+active prefill tokens; a rank with no data counts as 0. Ties go to the next worker in
+rotation so equal workers share the load. ``round-robin`` and ``random`` pick among the
+free workers. A routed request is recorded against its rank at once (its
+:class:`~extproc.core.worker.Ticket`), so the next decision already sees it.
 
 A request whose model is not known yet (``model=None``: the body has not been read) is
 decided too, where the answer cannot depend on the model: no worker at all, or every
@@ -91,9 +93,21 @@ MODEL_NOT_FOUND = Rejected(Outcome.MODEL_NOT_FOUND)
 Decision = Routed | Rejected | Queued
 
 
+def is_free(worker: Worker, variant: int, now: float) -> bool:
+    """Whether a decision may pick ``worker`` now for class variant ``variant`` (an index
+    of the pool's shares; 0 = the default class): not busy for it, and not marked
+    overloaded or unreachable."""
+    busy = worker.busy_by_class[variant] if variant else worker.busy
+    return not busy and now >= worker.overloaded_until
+
+
 def _rank_key(worker: Worker, rank: Rank) -> tuple[float, int]:
+    """KV utilisation, then prefill tokens; the KV total is the one the rank reported,
+    else the worker's announced one."""
     blocks = rank.decode_blocks or 0
-    total = worker.kv_total(rank)
+    total = rank.reported_kv_total
+    if total is None:
+        total = worker.kv_total_blocks
     return (blocks / total if total else float(blocks), rank.prefill_tokens or 0)
 
 
@@ -221,7 +235,7 @@ class Scheduler:
         now = self.pool.clock()
         for workers in by_model.values():
             for w in workers:
-                if w.free_for(variant, now):
+                if is_free(w, variant, now):
                     return DEFERRED
         if waiting:
             return DEFERRED
@@ -262,7 +276,7 @@ class Scheduler:
             start = turn % n
             for i in range(n):
                 w = workers[(start + i) % n]
-                if not w.free_for(variant, now):
+                if not is_free(w, variant, now):
                     continue
                 rank = _best_rank(w, variant)
                 key = _rank_key(w, rank)
@@ -273,7 +287,7 @@ class Scheduler:
             if self.queue_threshold is not None and _queue_full(best, best_rank):
                 return self._least_loaded_not_queue_full(workers, now, variant)
             return best, best_rank
-        free = [w for w in workers if w.free_for(variant, now)]
+        free = [w for w in workers if is_free(w, variant, now)]
         if not free:
             return None
         if self.queue_threshold is not None:
@@ -291,7 +305,7 @@ class Scheduler:
         best_rank: Rank | None = None
         best_key: tuple[float, int] = (0.0, 0)
         for w in workers:
-            if not w.free_for(variant, now):
+            if not is_free(w, variant, now):
                 continue
             rank = _best_rank(w, variant)
             if _queue_full(w, rank):
@@ -322,7 +336,7 @@ class Scheduler:
         picked = chosen.endpoint if address is None else address[chosen]
         for i in range(n):
             w = workers[(start + i) % n]
-            if w is chosen or not w.free_for(variant, now):
+            if w is chosen or not is_free(w, variant, now):
                 continue
             endpoint = w.endpoint if address is None else address[w]
             if endpoint != picked and endpoint not in out:

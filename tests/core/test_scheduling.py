@@ -16,6 +16,7 @@ from extproc.core.scheduling import (
     Rejected,
     Routed,
     Scheduler,
+    is_free,
 )
 
 
@@ -123,5 +124,28 @@ def test_per_class_variant(variant: int, expected: object) -> None:
     pool, sched, _ = make()
     pool.set_shares([Share(), Share(0.4), Share(2.0)])
     add(pool, "a", "m", 1, blocks=5)
-    assert pool.workers["a"].free_for(variant, pool.clock()) is (expected is DEFERRED)
+    assert is_free(pool.workers["a"], variant, pool.clock()) is (expected is DEFERRED)
     assert sched.decide(None, variant=variant) == expected
+
+
+def test_a_worker_marked_overloaded_is_not_free_until_the_mark_passes() -> None:
+    pool, _, clock = make()
+    add(pool, "a", "m", 1, blocks=0)
+    worker = pool.workers["a"]
+    assert is_free(worker, 0, clock())
+    pool.mark_overloaded(worker)
+    assert not is_free(worker, 0, clock())
+    clock.t += 1.0
+    assert is_free(worker, 0, clock())
+
+
+def test_kv_mode_ranks_by_the_kv_total_a_rank_reports_over_the_announced_one() -> None:
+    """a: 4 blocks of the 100 it reports (4 %); b: 2 of the 10 it announced (20 %)."""
+    pool, sched, _ = make()
+    add(pool, "a", "m", 1)
+    add(pool, "b", "m", 2, blocks=2)
+    pool.report_load("a", active_decode_blocks=4, kv_total_blocks=100)
+    for _ in range(5):
+        decision = sched.decide("m", 0)
+        assert isinstance(decision, Routed) and decision.ticket.worker.worker_id == "a"
+        pool.release(decision.ticket)
