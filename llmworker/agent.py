@@ -24,6 +24,11 @@ and a flat JSON body). ``GET /metrics`` through the proxy returns the engine's
 metrics plus the ``dynamo_*`` admission series. The announced endpoint is then
 the listen address unless ``--endpoint`` says otherwise.
 
+With ``--kv-events-bind tcp://HOST:PORT`` (vLLM only) the agent also binds a ZMQ SUB socket for
+vLLM's own KV events (:mod:`llmworker.vllm_kv_events`; vLLM's ``--kv-events-config`` names the
+same endpoint): the blocks vLLM stores between two scrapes are added to the last scrape's
+blocks in use and published at once; the next scrape re-anchors the count.
+
 Which engine metric feeds which event field, per engine: docs/worker.md (the mapping tables).
 """
 

@@ -247,7 +247,8 @@ def parse_vllm(text: str) -> EngineSnapshot:
     if usage_name not in samples:
         raise MetricsParseError(
             "no vllm:kv_cache_usage_perc (or vllm:gpu_cache_usage_perc) series: "
-            "is this a vLLM /metrics page (--engine vllm)?"
+            "is this a vLLM /metrics page (--engine vllm), and was vLLM started without "
+            "--disable-log-stats (which leaves /metrics without any vllm: series)?"
         )
     usage = _per_rank(samples[usage_name], label)
     running = _per_rank(samples.get("vllm:num_requests_running", ()), label)

@@ -25,8 +25,9 @@ from aiohttp import web
 from extproc.devstack import async_wait_until as wait_until
 from extproc.devstack import free_port
 from extproc.events.schema import ConfigEvent, LoadEvent
-from llmworker.agent import Agent
+from llmworker.agent import Agent, worker_view
 from llmworker.agent_settings import parse_args
+from llmworker.engine_metrics import MetricsParseError, parse_engine_metrics, ttft_delta
 from llmworker.vllm_kv_events import (
     BlockRemoved,
     BlockStored,
@@ -486,3 +487,34 @@ def test_data_parallel_ranks_bind_consecutive_ports() -> None:
         environ={},
     )  # fmt: skip
     assert settings.kv_events_endpoints == ("tcp://*:5570", "tcp://*:5571", "tcp://*:5572")
+
+
+def test_the_real_pages_give_ttft_and_prompt_length_as_the_mapping_table_says() -> None:
+    """The rows of docs/worker.md not covered elsewhere, on the real vLLM's pages."""
+    idle = parse_engine_metrics("vllm", IDLE).ranks[0]
+    real = parse_engine_metrics("vllm", (DATA / "vllm_metrics_real.txt").read_text())
+    after = parse_engine_metrics("vllm", (DATA / "vllm_metrics_after.txt").read_text()).ranks[0]
+    # Four first tokens, each within 0.5 s, between the idle page and the last one.
+    assert ttft_delta(idle.ttft_buckets, after.ttft_buckets) == [(0.5, 4)]
+    # The prompt histogram fills when requests finish: none had in flight, so with one
+    # request waiting the prefill estimate is omitted; after, the mean is 300 tokens.
+    settings, _ = parse_args(
+        [
+            "--engine", "vllm", "--engine-url", "http://127.0.0.1:1", "--model", "m",
+            "--worker-id", "w", "--endpoint", "127.0.0.1:9", "--publish", "tcp://127.0.0.1:9",
+        ],
+        environ={},
+    )  # fmt: skip
+    assert real.ranks[0].num_waiting == 1
+    assert worker_view(real, settings).loads[0].active_prefill_tokens is None
+    assert (after.avg_prompt_tokens, after.num_waiting) == (300.0, 0)
+    assert real.max_num_batched_tokens is None  # not printed by this vLLM
+
+
+def test_a_vllm_started_with_disable_log_stats_is_named() -> None:
+    """What a real vLLM 0.32.0 started with --disable-log-stats served: /metrics answers 200
+    with the process and Python series and no vllm: series at all."""
+    page_without_stats = "\n".join(line for line in IDLE.splitlines() if "vllm:" not in line)
+    assert "process_resident_memory_bytes" in page_without_stats
+    with pytest.raises(MetricsParseError, match="started without --disable-log-stats"):
+        parse_engine_metrics("vllm", page_without_stats)
