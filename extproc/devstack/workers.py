@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Protocol
 
 from extproc.devstack.llamacpp import LlamaServer
-from extproc.devstack.procs import AgentProcess, Proc, SimProcess, answers, cli_flags, wait_until
+from extproc.devstack.procs import (
+    AgentProcess,
+    Proc,
+    SimProcess,
+    answers,
+    cli_flags,
+    free_port,
+    wait_until,
+)
 from extproc.devstack.vllm import BLOCK_SIZE as VLLM_BLOCK_SIZE
 from extproc.devstack.vllm import VllmServer
 
@@ -168,10 +176,11 @@ class VllmWorkers:
     cpus: tuple[str, ...] = ()
     interval: float = 0.2
 
-    def agent_args(self, worker_id: str, port: int) -> list[str]:
+    def agent_args(self, worker_id: str, port: int, kv_events: str | None = None) -> list[str]:
         engine = f"127.0.0.1:{port}"
         return cli_flags(
             engine="vllm",
+            kv_events_bind=kv_events,  # vLLM's own KV events between scrapes
             engine_url=f"http://{engine}",
             model=self.model,
             endpoint=engine,
@@ -183,6 +192,8 @@ class VllmWorkers:
 
     def start(self, worker_id: str, port: int, log_dir: Path, *, append_log: bool) -> list[Proc]:
         index = int(worker_id.rsplit("-", 1)[-1]) - 1 if worker_id[-1:].isdigit() else 0
+        # The agent binds this endpoint; vLLM's publisher connects to it (either may start first).
+        kv_events = f"tcp://127.0.0.1:{free_port()}"
         engine = VllmServer(
             log_dir,
             name=worker_id,
@@ -192,13 +203,14 @@ class VllmWorkers:
             max_num_seqs=self.max_num_seqs,
             num_gpu_blocks_override=self.num_gpu_blocks,
             max_num_queued_reqs=self.max_num_queued_reqs,
+            kv_events=kv_events,
             cpus=self.cpus[index % len(self.cpus)] if self.cpus else None,
             wait=False,
             append_log=append_log,
         )
         try:
             agent = AgentProcess(
-                self.agent_args(worker_id, port),
+                self.agent_args(worker_id, port, kv_events),
                 log_dir=log_dir,
                 name=f"{worker_id}-agent",
                 new_session=True,

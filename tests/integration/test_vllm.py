@@ -444,11 +444,6 @@ def test_agent_queue_fields_agree_with_vllms_own_page(s: VllmStack) -> None:
         assert event.request_total_slots == MAX_SEQS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the agent scales kv_cache_usage_perc by num_gpu_blocks, vLLM by num_gpu_blocks - 1 "
-    "(its null block): one block too many once the cache is more than half full",
-)
 def test_agent_kv_blocks_agree_with_vllms_own_page(s: VllmStack) -> None:
     engine = s.engines[0]
     for _ in range(3):  # 9 of the 16 blocks that hold tokens: more than half
