@@ -104,7 +104,7 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
 	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
-.PHONY: loadtest overload overload-llamacpp overload-classes slo slo-llamacpp compose-check compose-rehearsal
+.PHONY: loadtest overload overload-llamacpp overload-vllm overload-classes slo slo-llamacpp compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 HOST ?= http://127.0.0.1:8000
 
@@ -125,6 +125,9 @@ overload: $(LOADTEST_STAMP) ## Goodput and latency vs offered load, thresholds o
 
 overload-llamacpp: $(LOADTEST_STAMP) $(ENGINE_STAMP) ## The same on 2 llama.cpp llama-server (SmolLM2, this CPU): 1x, 3x, 10x (~7 min; docs/overload-llamacpp-*)
 	$(PY) -m loadtest.overload --engine llamacpp $(ARGS)
+
+overload-vllm: $(LOADTEST_STAMP) $(VLLM_STAMP) ## The same on 2 vLLM servers (SmolLM2, this CPU, 7 KV blocks, 4 seqs): 1x, 3x, 10x and preemptions (~8 min; docs/overload-vllm-*)
+	$(PY) -m loadtest.overload --engine vllm $(ARGS)
 
 overload-classes: $(LOADTEST_STAMP) ## Mixed request classes at 1x, 3x, 10x, with and without retries (~4 min; docs/classes-*)
 	$(PY) -m loadtest.mixed $(ARGS)

@@ -3,8 +3,8 @@ and the recovery after an overload.
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the repo's filter chain, the
 extproc, and two workers that publish their load: simulated vLLM-like engines, or with
-``--engine llamacpp`` two llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU, each
-with its agent), then:
+``--engine llamacpp`` two llama.cpp ``llama-server`` serving SmolLM2-135M on this CPU, or
+with ``--engine vllm`` two vLLM servers of the same model, each with its agent), then:
 
 1. **unloaded** — one request at a time: the reference p99 TTFT;
 2. **capacity** — closed-loop sweep of concurrency with thresholds off; capacity is the
@@ -19,26 +19,32 @@ with its agent), then:
 Every request is the same streaming chat completion. Per cell: goodput (2xx completed per
 second inside the arrival window, after warm-up), p50/p99 TTFT and p99 end-to-end latency of
 the accepted requests that arrived after warm-up, rejection rate, the workers' preemptions
-and waiting queue, and the CPU each part of the stack used. Requests
+(on vLLM its own ``vllm:num_preemptions_total``, read from each engine before and after the
+cell) and waiting queue, and the CPU each part of the stack used. Requests
 still running ``--grace`` seconds after the window are cancelled and count at the cut-off
 time (the percentile is then a lower bound, shown as ``>=``). Writes a markdown table, a JSON
-file and two PNG plots under ``--out`` (``overload-*``, or ``overload-llamacpp-*``).
+file and two PNG plots under ``--out`` (``overload-*``, ``overload-llamacpp-*`` or
+``overload-vllm-*``).
 
     python -m loadtest.overload                      # ~5-6 minutes on 2 cores
     python -m loadtest.overload --loads 1,3 --cell-seconds 10   # quicker look
     python -m loadtest.overload --engine llamacpp    # ~7 minutes on 2 cores
+    python -m loadtest.overload --engine vllm        # ~8 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shlex
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -54,11 +60,46 @@ from loadtest.shedbench.report import Results, markdown
 from loadtest.shedbench.results import log, write_results
 from loadtest.shedbench.stack import Stack, started_stack
 from loadtest.shedbench.stats import Cell, summarize
+from loadtest.shedbench.vllm_workers import VLLM, VllmWorkers, check_config
 from loadtest.shedbench.workers import EngineSamples, sample, wait_idle
+
+
+@dataclass
+class VllmResults(Results):
+    """A run on vLLM: also each engine's preemptions per cell and the machine's load."""
+
+    # Per cell, in the order of ``cells``: the increase of each engine's
+    # vllm:num_preemptions_total from just before its arrivals to after it drained.
+    engine_preemptions: list[list[int]] = field(default_factory=list)
+    # /proc/loadavg as read at the start and at the end of the run.
+    proc_loadavg: list[str] = field(default_factory=list)
+
+
+def proc_loadavg() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+def preemption_deltas(before: Sequence[float], after: Sequence[float]) -> list[int]:
+    """Each engine's preemptions between two reads of its counter. A counter that went down
+    (the engine restarted) is an error: the cell's count would be wrong."""
+    if len(before) != len(after):
+        raise ValueError(f"preemption counters: {len(before)} engines before, {len(after)} after")
+    deltas = []
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if a < b:
+            raise RuntimeError(
+                f"engine {i + 1}: vllm:num_preemptions_total went down from {b:g} to {a:g} "
+                "(restarted during the cell)"
+            )
+        deltas.append(round(a - b))
+    return deltas
 
 
 async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None) -> Results:
     started = time.monotonic()
+    loadavg_text = [proc_loadavg()]
+    engine_preemptions: list[list[int]] = []
+    per_engine = getattr(stack.engines, "preemptions", None)
     load_average = [os.getloadavg()[0]]
     rng = random.Random(cfg.seed)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -90,6 +131,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
                 stack.thresholds(on)
                 rate = load * capacity
                 before = await stack.engines.load(session)
+                counters = await per_engine(session) if per_engine else []
                 samples = EngineSamples()
                 sampler = asyncio.create_task(
                     sample(session, stack.engines, cfg.cell_seconds, samples)
@@ -104,6 +146,10 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
                 await wait_idle(session, stack.engines)
                 after = await stack.engines.load(session)
                 samples.preemptions = after.preemptions - before.preemptions
+                if per_engine:
+                    deltas = preemption_deltas(counters, await per_engine(session))
+                    engine_preemptions.append(deltas)
+                    samples.preemptions = sum(deltas)
                 slo = 2 * unloaded.ttft_p99_ms / 1e3
                 cell = summarize(cfg, load, on, rate, outcomes, samples, slo)
                 cell.cpu = cpu
@@ -119,7 +165,7 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         # 4. recovery: overload phases, thresholds on, each followed by probes
         rounds = await measure_recovery(session, stack, cfg, plan, capacity) if plan else []
         stack.thresholds(False)
-    return Results(
+    results = Results(
         config=cfg,
         command=command,
         unloaded_ttft_p50_ms=unloaded.ttft_p50_ms,
@@ -134,6 +180,45 @@ async def run(cfg: Config, stack: Stack, command: str, plan: RecoveryPlan | None
         recovery_plan=plan,
         recovery=rounds,
     )
+    if cfg.engine != VLLM:
+        return results
+    return VllmResults(
+        **vars(results),
+        engine_preemptions=engine_preemptions,
+        proc_loadavg=[*loadavg_text, proc_loadavg()],
+    )
+
+
+def vllm_markdown(res: VllmResults) -> str:
+    """What a run on vLLM adds to the report: each engine's preemptions per cell, and the
+    machine's load around the run."""
+    rows = [
+        "| offered load | thresholds | preemptions vllm-1 | preemptions vllm-2 | total |",
+        "|---|---|---|---|---|",
+    ]
+    for cell, counts in zip(res.cells, res.engine_preemptions, strict=True):
+        rows.append(
+            f"| {cell.load:g}x | {'on' if cell.thresholds else 'off'} | "
+            + " | ".join(str(n) for n in counts)
+            + f" | {sum(counts)} |"
+        )
+    start, end = [*res.proc_loadavg, "?", "?"][:2]
+    return f"""
+### Preemptions on each engine
+
+vLLM's own counter `vllm:num_preemptions_total`, read from each engine's `/metrics` just \
+before a cell's arrivals began and again once both engines had drained after it: a \
+preemption is a running request whose KV blocks vLLM freed to make room (it is put back \
+to wait and its prompt computed again).
+
+{chr(10).join(rows)}
+
+### The machine
+
+The machine is shared: other work ran on its {os.cpu_count()} cores during the run, and \
+its speed varied with it. `/proc/loadavg` at the start of the run: `{start}`; at its end: \
+`{end}`.
+"""
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -176,6 +261,23 @@ ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
         "recovery_loads": "",
         "recovery_rounds": 1, "probe_rate": 1.0, "probe_seconds": 10.0, "recovery_window": 6,
     },
+    VLLM: {
+        # 7 blocks of 128 tokens (vLLM keeps one aside: 6 hold tokens, 768), 4 sequences.
+        # A request is about 100 prompt tokens and 64 output ones: one block for its prompt,
+        # a second as it decodes, so four admitted together outgrow the cache and vLLM
+        # preempts. One request decodes at 15-20 tokens/s here, four together at nearly
+        # that each.
+        "kv_total_blocks": 7, "block_size": 128, "max_num_seqs": 4,
+        "max_num_batched_tokens": 2048, "speedup": 1.0,
+        "prompt_tokens": 32, "max_tokens": 64,
+        # Busy above 3.5 blocks (three requests: the agent reports round(usage x 7)) or with
+        # a request waiting (the agent reports waiting x the mean prompt, about 100 tokens).
+        "decode_threshold": 0.5, "prefill_threshold": 64, "prefill_frac_threshold": None,
+        "loads": "1,3,10", "unloaded_probes": 41, "sweep_seconds": 24.0,
+        # No recovery rounds: the run is kept within about 10 minutes on this machine.
+        "recovery_loads": "",
+        "recovery_rounds": 1, "probe_rate": 1.0, "probe_seconds": 10.0, "recovery_window": 6,
+    },
 }  # fmt: skip
 
 
@@ -197,10 +299,11 @@ def _loads(flag: str, text: str, allow_none: bool = False) -> tuple[float, ...]:
 
 
 def _by_engine(key: str) -> str:
-    sim, llama = (ENGINE_DEFAULTS[e][key] for e in (SIM, LLAMACPP))
-    return f"default: {sim if sim != '' else repr(sim)} on sim, " + (
-        f"{llama if llama != '' else repr(llama)} on llamacpp"
-    )
+    def shown(engine: str) -> str:
+        value = ENGINE_DEFAULTS[engine][key]
+        return f"{value if value != '' else repr(value)} on {engine}"
+
+    return "default: " + ", ".join(shown(e) for e in ENGINE_DEFAULTS)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None, Path]:
@@ -211,15 +314,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
     )
     p.add_argument(
         "--engine",
-        choices=ENGINES,
+        choices=(*ENGINES, VLLM),
         default=SIM,
-        help="the workers: two simulated engines, or two llama.cpp llama-server with their "
-        "agents (make engine installs it); the files are named overload-* or "
-        "overload-llamacpp-* (default: %(default)s)",
+        help="the workers: two simulated engines, two llama.cpp llama-server (make engine "
+        "installs it) or two vLLM servers (make vllm), the real ones with their agents; the "
+        "files are named overload-*, overload-llamacpp-* or overload-vllm-* "
+        "(default: %(default)s)",
     )
     eng = p.add_argument_group(
         "workers (two, identical; on llamacpp the context is kv-total-blocks x block-size "
-        "tokens over max-num-seqs slots)"
+        "tokens over max-num-seqs slots; on vllm kv-total-blocks is "
+        "--num-gpu-blocks-override and block-size must be 128)"
     )
     for flag, kind in (("--kv-total-blocks", int), ("--block-size", int),
                        ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
@@ -329,19 +434,46 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, RecoveryPlan | None,
         engine=a.engine,
         prefill_threshold=a.prefill_threshold,
         # A real model may end a reply before max_tokens; every request should cost the same.
-        ignore_eos=a.engine == LLAMACPP,
+        ignore_eos=a.engine != SIM,
         unloaded_probes=a.unloaded_probes,
     )
+    if cfg.engine == VLLM:
+        try:
+            check_config(cfg)
+        except ValueError as exc:
+            p.error(str(exc))
     return cfg, plan if recovery_loads else None, Path(a.out)
+
+
+@contextlib.contextmanager
+def stack_for(cfg: Config) -> Iterator[Stack]:
+    """The stack on the workers ``cfg.engine`` names, closed on the way out."""
+    if cfg.engine != VLLM:
+        with started_stack(cfg) as stack:
+            yield stack
+        return
+    with tempfile.TemporaryDirectory(prefix="overload-vllm-") as tmp:
+        stack = Stack(cfg, Path(tmp), workers=VllmWorkers)
+        try:
+            yield stack
+        finally:
+            stack.close()
+
+
+def report(results: Results) -> str:
+    text = markdown(results)
+    if isinstance(results, VllmResults):
+        text += vllm_markdown(results)
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, plan, out = parse_args(argv)
     command = shlex.join(["python", "-m", "loadtest.overload", *(argv or sys.argv[1:])])
-    with started_stack(cfg) as stack:
+    with stack_for(cfg) as stack:
         log(f"stack up: {stack.describe()}")
         results = asyncio.run(run(cfg, stack, command, plan))
-    write_results(out, cfg.name, results, markdown(results), plot)
+    write_results(out, cfg.name, results, report(results), plot)
     return 0
 
 

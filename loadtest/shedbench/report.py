@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loadtest.shedbench.classes import ALONE, CLASS_HEADER, MIX, RETRY, MixedCell, Retry
-from loadtest.shedbench.config import LLAMACPP, Config
+from loadtest.shedbench.config import LLAMACPP, SIM, Config
 from loadtest.shedbench.recovery import RecoveryPlan, RecoveryRound, median
 from loadtest.shedbench.results import fmt_ms, fmt_pct
 from loadtest.shedbench.stats import Cell
@@ -170,6 +170,10 @@ the requests completed in the cell's window.{machine}
 
 def workers_text(cfg: Config) -> str:
     """The workers and the requests, as the report's first lines say them."""
+    if cfg.engine == "vllm":
+        from loadtest.shedbench.vllm_workers import workers_text as vllm_text
+
+        return vllm_text(cfg)
     if cfg.engine == LLAMACPP:
         return (
             f"Workers: 2 llama.cpp `llama-server` serving SmolLM2-135M-Instruct (Q4_1), each "
@@ -220,7 +224,7 @@ GOAL_LOAD = 3.0  # the real engine's goals are set at 3 x capacity
 
 
 def targets(res: Results) -> str:
-    if res.config.engine == LLAMACPP:
+    if res.config.engine != SIM:  # a real engine: llama.cpp or vLLM
         return slo_targets(res, GOAL_LOAD)
     top = max(res.loads_present())
     on, off = _cell(res, top, True), _cell(res, top, False)
