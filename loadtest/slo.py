@@ -1,5 +1,6 @@
-"""Latency-target benchmark: does a TTFT p99 target hold, with as much admitted as the best
-fixed thresholds, through load phases and a worker that slows down?
+"""Latency-target benchmark: does a TTFT p99 target hold by itself, with no threshold and
+nothing tuned, through load phases and a worker that slows down, against the best fixed
+thresholds a sweep finds?
 
 Starts its own stack on free 127.0.0.1 ports (Envoy with the output-observing filter chain
 and an access log, the extproc, two workers: simulated vLLM-like engines, or with
@@ -8,24 +9,30 @@ with its agent), then:
 
 1. **unloaded**: one request at a time, the reference TTFT; the target defaults to 4 x its
    p50, rounded up to 10 ms (``--target-ms`` sets it);
-2. **capacity**: the closed-loop sweep of ``loadtest.overload``, thresholds off;
-3. **modes**, one after the other, each over the same phases (``--phases``, default
-   1x -> 3x -> 10x -> 1x of capacity, seeded Poisson arrivals of retrying clients), with
-   one worker ``--slow-factor`` x slower in the middle of the 3x phase: thresholds
-   off; the shipped thresholds (``--shipped``); every ``--sweep`` candidate (the best of
-   these and the shipped ones is "the best fixed thresholds"); the target mode (the
-   target set with ``POST /busy_threshold`` beside the shipped thresholds, its ceiling;
-   ``--target-ceiling`` sets others), and on the simulated workers "target alone" (no
-   threshold: the ceiling is a full worker);
-4. **TTFT sources**: the extproc's, the engines' and Envoy's TTFT against the clients'.
+2. **capacity at target**: the highest Poisson arrival rate whose TTFT p99 stays within the
+   target with thresholds off and no target, by a search (doubling from
+   ``--capacity-start`` while the target holds, then bisecting to 10 %; one probe of
+   ``--capacity-seconds`` per rate, at most ``--capacity-probes``);
+3. **the fixed-threshold sweep**: every ``--sweep`` candidate and the shipped thresholds on
+   short overload phases (``--sweep-phases``); the one with the most SLO-good user requests
+   is "the best fixed thresholds";
+4. **modes**, one after the other, each over the same phases (``--phases``, default
+   1x -> 3x -> 10x -> 1x of the capacity at target, seeded Poisson arrivals of clients
+   that retry like the OpenAI SDK), one worker ``--slow-factor`` x slower in the middle of
+   the 3x phase: the shipped thresholds (``--shipped``), the sweep's best, the target alone
+   (``POST /busy_threshold`` with ``ttft_p99_target_ms`` and every threshold disabled),
+   and thresholds off;
+5. **classes** (unless ``--no-classes``): a second stack whose extproc has a classes file
+   with a target per class, the target alone, the same 1x arrivals flat and with classes;
+6. **TTFT sources**: the extproc's, the engines' and Envoy's TTFT against the clients'.
 
 Writes ``slo-results.md``/``.json`` and one ``slo-<mode>.png`` per mode under ``--out``
-(``slo-llamacpp-*`` on llama.cpp).
+(``slo-llamacpp-*`` on llama.cpp), and judges the target alone's goals (met, missed or not
+tested).
 
-    python -m loadtest.slo                                   # ~10 minutes on 2 cores
-    python -m loadtest.slo --engine llamacpp                 # ~15 minutes
-    python -m loadtest.slo --phases 1:10,3:20,10:10,1:10 --slow-at 5 --slow-for 8 \\
-        --sweep '' --capacity 20                             # a quick look, ~2 minutes
+    python -m loadtest.slo                         # ~12 minutes on 2 cores
+    python -m loadtest.slo --engine llamacpp       # ~30 minutes
+    python -m loadtest.slo --quick                 # every part, shortened: ~1.5 minutes
 """
 
 from __future__ import annotations
@@ -38,31 +45,41 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from extproc.devstack import ROOT, http, wait_until
-from loadtest.shedbench.capacity import measure_unloaded, sweep_capacity
-from loadtest.shedbench.classes import Retry
-from loadtest.shedbench.config import ENGINES, LLAMACPP, MODEL, SIM, Config
+from extproc.devstack import ROOT, Extproc, http, wait_until
+from loadtest.shedbench.arrivals import open_loop
+from loadtest.shedbench.capacity import (
+    RateProbe,
+    judge_probe,
+    measure_unloaded,
+    search_capacity,
+)
+from loadtest.shedbench.classes import Request
+from loadtest.shedbench.config import LLAMACPP, MODEL, SIM, Config
 from loadtest.shedbench.phases import Phase, PhasedRun, PhasePlan, run_phases
 from loadtest.shedbench.results import log, write_results
+from loadtest.shedbench.retry import OpenAIRetry
 from loadtest.shedbench.slo_report import (
     OFF,
     SHIPPED,
-    TARGET,
     TARGET_ALONE,
+    ClassesRun,
+    ClassStats,
     SloResults,
+    SweepRow,
     file_prefix,
     markdown,
     plot,
     total_slo_goodput,
 )
 from loadtest.shedbench.stack import THRESHOLDS, Stack
+from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.ttft_sources import (
     AccessLine,
     access_log_tweak,
@@ -70,45 +87,68 @@ from loadtest.shedbench.ttft_sources import (
     parse_access_log,
     split,
 )
-from loadtest.shedbench.windows import Mode, ModeResult, recovery_text, summarize_run
-from loadtest.shedbench.workers import wait_idle
+from loadtest.shedbench.windows import Mode, ModeResult, recovery_text, slo_good, summarize_run
+from loadtest.shedbench.workers import Workers, wait_idle, workers_for
 
 TARGET_FIELD = "ttft_p99_target_ms"
+VLLM = "vllm"
+ENGINES = (SIM, LLAMACPP, VLLM)
 # The default target, in multiples of the unloaded TTFT p50 (steadier than its p99 on a
-# loaded machine): room for a worker twice as slow and a short queue, tighter than what the
-# shipped thresholds hold when one worker slows down.
+# loaded machine): room for a worker twice as slow and a short queue.
 TARGET_X_UNLOADED = 4
+# The classes of the classes run (docs/classes.md), each request drawn with these shares.
+CLASS_MIX: tuple[tuple[str, float], ...] = (
+    ("critical", 0.2),
+    ("standard", 0.5),
+    ("sheddable", 0.3),
+)
 
 
-class NoLatencyTarget(RuntimeError):
-    """The extproc refused a latency target: a build without the controller."""
+def classes_yaml(target_ms: float) -> str:
+    """The classes file of the classes run: a class's target is its deadline, critical and
+    standard at the model's target, sheddable at twice it; every share 1 (no threshold is
+    set in the target alone, so shares change nothing)."""
+    return f"""\
+default: standard
+classes:
+  critical:
+    priority: 0
+    share: 1.0
+    ttft_p99_target_ms: {target_ms:g}
+  standard:
+    priority: 1
+    share: 1.0
+    ttft_p99_target_ms: {target_ms:g}
+  sheddable:
+    priority: 2
+    share: 1.0
+    ttft_p99_target_ms: {2 * target_ms:g}
+"""
 
 
-def set_mode(stack: Stack, mode: Mode, targets: bool) -> None:
-    """The mode's thresholds and target with ``POST /busy_threshold``; ``targets``: the
-    extproc knows latency targets (then one not in the mode is disabled)."""
+class BenchmarkError(RuntimeError):
+    """The run cannot go on: the message says why and what to change."""
+
+
+def set_mode(stack: Stack, mode: Mode) -> None:
+    """The mode's thresholds and target with ``POST /busy_threshold``; what the mode does not
+    set is disabled."""
     body: dict[str, Any] = {"model": MODEL}
     values = (mode.decode, None, mode.prefill_frac)  # no absolute prefill threshold
     body.update({n: v for n, v in zip(THRESHOLDS, values, strict=True) if v is not None})
     body["disable"] = [n for n, v in zip(THRESHOLDS, values, strict=True) if v is None]
     if mode.target_ms is not None:
         body[TARGET_FIELD] = mode.target_ms
-    elif targets:
+    else:
         body["disable"].append(TARGET_FIELD)
     status, _, reply = http("POST", stack.ext.admin + "/busy_threshold", body)
-    if status == 422 and mode.target_ms is not None:
-        raise NoLatencyTarget(
-            f"the target mode needs an extproc with latency targets: POST /busy_threshold "
-            f"{{{TARGET_FIELD!r}: {mode.target_ms:g}}} -> 422: {reply.decode()[:300]}; "
-            "run without it with --no-target-mode"
-        )
     if status != 200:
-        raise RuntimeError(f"POST /busy_threshold {body} -> {status}: {reply!r}")
+        raise BenchmarkError(f"POST /busy_threshold {body} -> {status}: {reply.decode()[:300]}")
 
 
 def read_access_log(path: Path, tag: str, expected: int) -> dict[int, AccessLine]:
     """The access log's lines of ``tag``, once ``expected`` are there (Envoy flushes every
-    second) or after 5 s with what there is."""
+    second) or after 3 s with what there is."""
     found: dict[int, AccessLine] = {}
 
     def complete() -> bool:
@@ -117,7 +157,7 @@ def read_access_log(path: Path, tag: str, expected: int) -> dict[int, AccessLine
         return len(found) >= expected
 
     try:
-        wait_until(complete, 5, "the access log")
+        wait_until(complete, 3, "the access log")
     except AssertionError:
         log(f"access log: {len(found)} of {expected} requests of this mode")
     return found
@@ -135,55 +175,136 @@ def name_workers(run: PhasedRun, stack: Stack) -> None:
             attempt.worker = ids.get(attempt.worker, attempt.worker)
 
 
+def load_average() -> str:
+    """``/proc/loadavg`` as it reads now (the machine is shared: the run says how busy)."""
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 @dataclass(frozen=True)
 class Options:
     plan: PhasePlan
-    retry: Retry
+    sweep_plan: PhasePlan
+    retry: OpenAIRetry
     shipped: tuple[float | None, float | None]
     sweep: tuple[tuple[float | None, float | None], ...]
     target_ms: float | None
-    target_mode: bool
-    target_ceiling: tuple[float | None, float | None] = (None, None)
-    target_alone: bool = False
+    capacity_start: float
+    capacity_seconds: float
+    capacity_warmup: float
+    capacity_probes: int
+    classes: bool
+    classes_seconds: float
 
 
-async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command: str) -> Any:
-    started = time.monotonic()
-    rng = random.Random(cfg.seed)
+@dataclass
+class Measured:
+    """The first stack's part of the results."""
+
+    unloaded_p50_ms: float
+    unloaded_p99_ms: float
+    target_ms: float
+    capacity: float
+    probes: list[RateProbe]
+    search: str
+    sweep: list[SweepRow]
+    modes: list[ModeResult]
+    best_fixed: str
+    sources: list[dict[str, Any]]
+    by_mode: dict[str, list[dict[str, Any]]]
+    splits: dict[str, list[dict[str, Any]]]
+
+
+def _session() -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+
+async def find_capacity(
+    session: aiohttp.ClientSession, stack: Stack, cfg: Config, opts: Options, target_ms: float
+) -> tuple[float, list[RateProbe], str]:
+    """The capacity at target (see :func:`search_capacity`), thresholds off, no retries."""
+    how = (
+        f"from {opts.capacity_start:g} req/s doubling while the target holds, halving while "
+        f"it does not, then bisecting to within 10 %; each rate one probe of "
+        f"{opts.capacity_seconds:g} s of Poisson arrivals without retries, judged on those "
+        f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
+        f"their TTFT p99 within target); at most {opts.capacity_probes} probes"
+    )
+    if cfg.capacity:
+        return cfg.capacity, [], "given with --capacity"
+    seq = 0
+
+    async def probe(rate: float) -> RateProbe:
+        nonlocal seq
+        seq += 1
+        rng = random.Random(f"{cfg.seed}-capacity-{seq}")
+        outs = await open_loop(session, stack.url, cfg, rate, rng, opts.capacity_seconds, cfg.grace)
+        await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
+        result = judge_probe(rate, outs, opts.capacity_warmup, target_ms)
+        log(f"capacity probe {rate:.2f} req/s: TTFT p99 {result.ttft_p99_ms:.0f} ms of "
+            f"{result.requests}, {'holds' if result.within else 'does not hold'}")  # fmt: skip
+        return result
+
+    capacity, probes = await search_capacity(probe, opts.capacity_start, opts.capacity_probes)
+    if capacity <= 0:
+        raise BenchmarkError(
+            f"no Poisson rate down to {probes[-1].rate:.3g} req/s held a TTFT p99 of "
+            f"{target_ms:g} ms with thresholds off (the lowest measured p99: "
+            f"{min(p.ttft_p99_ms for p in probes):.0f} ms); give a --target-ms the idle "
+            "workers can meet, or a --capacity"
+        )
+    return capacity, probes, how
+
+
+async def run_main(cfg: Config, stack: Stack, opts: Options, log_path: Path) -> Measured:
+    rng = random.Random(cfg.seed)
+    async with _session() as session:
         off = Mode(OFF, None, None)
-        set_mode(stack, off, targets=False)
+        set_mode(stack, off)
         unloaded = await measure_unloaded(session, stack, cfg, rng)
         target_ms = opts.target_ms or 10 * math.ceil(TARGET_X_UNLOADED * unloaded.ttft_p50_ms / 10)
         log(f"unloaded: TTFT p50 {unloaded.ttft_p50_ms:.1f} ms, p99 {unloaded.ttft_p99_ms:.1f} "
             f"ms; target {target_ms:g} ms")  # fmt: skip
         await wait_idle(session, stack.engines, 30)
-        sweep: list[dict[str, float]] = []
-        if cfg.capacity:
-            capacity = cfg.capacity
-        else:
-            sweep, knee = await sweep_capacity(session, stack, cfg, rng)
-            capacity = knee["completed_rps"]
-        log(f"capacity {capacity:.2f} req/s")
+        capacity, probes, how = await find_capacity(session, stack, cfg, opts, target_ms)
+        log(f"capacity at target {capacity:.2f} req/s")
 
-        modes = [off, Mode(SHIPPED, *opts.shipped)]
-        modes += [Mode(f"fixed {_g(d)}/{_g(p)}", d, p) for d, p in opts.sweep]
-        if opts.target_mode:
-            modes.append(Mode(TARGET, *opts.target_ceiling, target_ms=target_ms))
-            set_mode(stack, modes[-1], targets=True)  # fails now, not after the others
-            if opts.target_alone:
-                modes.append(Mode(TARGET_ALONE, None, None, target_ms=target_ms))
+        shipped = Mode(SHIPPED, *opts.shipped)
+        sweep: list[SweepRow] = []
+        best_sweep = shipped
+        if opts.sweep:
+            others = [(d, p) for d, p in opts.sweep if (d, p) != opts.shipped]
+            candidates = [shipped] + [Mode(f"fixed {_g(d)}/{_g(p)}", d, p) for d, p in others]
+            scored: list[tuple[int, Mode]] = []
+            for i, mode in enumerate(candidates):
+                set_mode(stack, mode)
+                phased = await run_phases(
+                    session, stack, cfg, opts.sweep_plan, capacity, opts.retry, f"s{i}-"
+                )
+                await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
+                result = summarize_run(phased, opts.sweep_plan, mode, target_ms)
+                good = round(total_slo_goodput(result))
+                per_phase = [p.slo_goodput_rps for p in result.phases]
+                sweep.append(SweepRow(mode.name, mode.decode, mode.prefill_frac, per_phase, good))
+                scored.append((good, mode))
+                log(f"sweep {mode.name}: {good} SLO-good user requests")
+            best_sweep = max(scored, key=lambda s: s[0])[1]
+
+        modes = [shipped] + ([best_sweep] if best_sweep is not shipped else [])
+        modes += [Mode(TARGET_ALONE, None, None, target_ms=target_ms), off]
+        set_mode(stack, modes[-2])  # an extproc that refuses a target fails now
+        set_mode(stack, off)
         results: list[ModeResult] = []
         by_mode: dict[str, list[dict[str, Any]]] = {}
         splits: dict[str, list[dict[str, Any]]] = {}
         measured: list[tuple[PhasedRun, dict[int, AccessLine]]] = []
-        # "off" runs last: the queue it leaves behind (minutes of it on llama.cpp, whose
-        # slots drop a request whose client left only as they take it) needs no draining.
-        order = modes[1:] + modes[:1]
-        for i, mode in enumerate(order):
-            set_mode(stack, mode, targets=opts.target_mode)
+        # "off" runs last: the queue it leaves behind needs no draining.
+        for i, mode in enumerate(modes):
+            set_mode(stack, mode)
             tag = f"{i}-"
             phased = await run_phases(session, stack, cfg, opts.plan, capacity, opts.retry, tag)
             name_workers(phased, stack)
@@ -191,7 +312,7 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
                 await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
             answered = sum(1 for r in phased.requests if any(a.status for a in r.attempts))
             lines = read_access_log(log_path, tag, answered)
-            if mode.name != OFF:  # its queue's TTFTs of seconds would drown the comparison
+            if mode is not off:  # its queue's TTFTs of seconds would drown the comparison
                 measured.append((phased, lines))
             by_mode[mode.name] = [s.row() for s in compare([(phased, lines)])]
             splits[mode.name] = [asdict(s) for s in split(phased, lines, target_ms)]
@@ -203,26 +324,66 @@ async def run(cfg: Config, stack: Stack, opts: Options, log_path: Path, command:
                 + " / ".join(f"{p.windows_within}/{p.windows_judged}" for p in result.phases)
                 + ", recovery: "
                 + recovery_text(result.recovery_s))  # fmt: skip
-        set_mode(stack, off, targets=opts.target_mode)
-    results.sort(key=lambda m: [x.name for x in modes].index(m.mode.name))
+        set_mode(stack, off)
     fixed = [m for m in results if m.mode.name != OFF and m.mode.target_ms is None]
     best = max(fixed, key=total_slo_goodput)
-    return SloResults(
-        config=cfg,
-        plan=opts.plan,
-        retry=opts.retry,
-        command=command,
-        unloaded_ttft_p50_ms=unloaded.ttft_p50_ms,
-        unloaded_ttft_p99_ms=unloaded.ttft_p99_ms,
-        capacity_rps=capacity,
-        sweep=sweep,
+    return Measured(
+        unloaded_p50_ms=unloaded.ttft_p50_ms,
+        unloaded_p99_ms=unloaded.ttft_p99_ms,
         target_ms=target_ms,
+        capacity=capacity,
+        probes=probes,
+        search=how,
+        sweep=sweep,
         modes=results,
         best_fixed=best.mode.name,
         sources=[s.row() for s in compare(measured)],
-        sources_by_mode=by_mode,
+        by_mode=by_mode,
         splits=splits,
-        seconds=time.monotonic() - started,
+    )
+
+
+def class_stats(reqs: list[Request], cls: str, seconds: float, target_ms: float) -> ClassStats:
+    mine = [r for r in reqs if r.attempts and (cls == "all" or r.cls == cls)]
+    ttfts = [t for r in mine if (t := r.user_ttft) is not None]
+    return ClassStats(
+        cls=cls,
+        requests=len(mine),
+        admitted_first=sum(1 for r in mine if r.attempts[0].status == 200),
+        admitted=sum(1 for r in mine if r.admitted),
+        slo_good=sum(1 for r in mine if slo_good(r, 0.0, seconds, target_ms / 1e3)),
+        user_ttft_p99_ms=percentile(ttfts, 99) * 1e3,
+    )
+
+
+async def run_classes(
+    cfg: Config, stack: Stack, opts: Options, capacity: float, target_ms: float, yaml: str
+) -> ClassesRun:
+    """The same 1x arrivals flat (no class header: the default class) and with classes."""
+    plan = PhasePlan(phases=(Phase(1.0, opts.classes_seconds),), slow_phase=0, slow_at=0.0,
+                     slow_for=0.0)  # fmt: skip
+    cells: dict[str, list[ClassStats]] = {}
+    async with _session() as session:
+        set_mode(stack, Mode(TARGET_ALONE, None, None, target_ms=target_ms))
+        for i, (label, mix) in enumerate((("flat", ()), ("classes", CLASS_MIX))):
+            phased = await run_phases(
+                session, stack, cfg, plan, capacity, opts.retry, f"c{i}-", mix=mix
+            )
+            await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
+            names = ["all"] + ([n for n, _ in CLASS_MIX] if mix else [])
+            cells[label] = [
+                class_stats(phased.requests, n, opts.classes_seconds, target_ms) for n in names
+            ]
+            log(f"classes run, {label}: " + "; ".join(
+                f"{c.cls} {c.admitted_first}/{c.requests} admitted first, {c.slo_good} SLO-good"
+                for c in cells[label]))  # fmt: skip
+    return ClassesRun(
+        classes_yaml=yaml,
+        mix=list(CLASS_MIX),
+        load=1.0,
+        seconds=opts.classes_seconds,
+        flat=cells["flat"],
+        classed=cells["classes"],
     )
 
 
@@ -253,50 +414,70 @@ def _pair(flag: str, text: str) -> tuple[float | None, float | None]:
     return out[0], out[1]
 
 
-def _phases(text: str) -> tuple[Phase, ...]:
+def _phases(flag: str, text: str, shortest: float = 5.0) -> tuple[Phase, ...]:
     phases: list[Phase] = []
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         load, _, seconds = item.partition(":")
         try:
             phase = Phase(float(load), float(seconds))
         except ValueError:
-            raise ValueError(f"--phases: {item!r} is not load:seconds, e.g. 3:30") from None
-        if not (phase.load > 0 and phase.seconds >= 5):
-            raise ValueError(f"--phases: {item!r} needs a load > 0 and at least 5 seconds")
+            raise ValueError(f"{flag}: {item!r} is not load:seconds, e.g. 3:30") from None
+        if not (phase.load > 0 and phase.seconds >= shortest):
+            raise ValueError(f"{flag}: {item!r} needs a load > 0 and at least {shortest:g} seconds")
         phases.append(phase)
     if not phases:
-        raise ValueError(f"--phases: {text!r} names no phase; expected e.g. 1:20,3:30")
+        raise ValueError(f"{flag}: {text!r} names no phase; expected e.g. 1:20,3:30")
     return tuple(phases)
 
 
 # What a run on each engine uses unless a flag says otherwise. llama.cpp: two llama-server
 # on 2 cores complete about 1.7 requests a second (docs/overload-llamacpp-results.md), so
-# the requests are short and the phases twice as long, for as many requests per window as
-# the controller and the 5-s windows can judge; the thresholds are the overload benchmark's
-# (2 requests in the slots, no prompt waiting: 16 tokens is 1/32 of the 512-token batch).
+# the requests are short and the phases twice as long, for as many requests per window;
+# its thresholds are the overload benchmark's (2 requests in the slots, no prompt waiting:
+# 16 tokens is 1/32 of the 512-token batch). vLLM on this CPU: 4 sequences per engine.
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
     SIM: {
         "kv_total_blocks": 640, "block_size": 16, "max_num_seqs": 48,
         "max_num_batched_tokens": 2048, "speedup": 1.0, "prompt_tokens": 512,
         "max_tokens": 128, "phases": "1:15,3:30,10:15,1:15", "slow_at": 10.0,
-        "slow_for": 10.0, "shipped": "0.9:0.4", "sweep": "0.7:0.25,1:0.8",
-        "target_ceiling": "0.9:0.4", "target_alone": True,
-        "unloaded_probes": 201, "sweep_seconds": 14.0,
+        "slow_for": 10.0, "shipped": "0.9:0.4",
+        "sweep": "0.5:0.25,0.7:0.25,0.7:0.4,1:0.4,1:0.8", "sweep_phases": "3:10,10:8",
+        "unloaded_probes": 101, "capacity_start": 4.0, "capacity_seconds": 16.0,
+        "capacity_warmup": 4.0, "capacity_probes": 8, "classes_seconds": 30.0,
     },
     LLAMACPP: {
         "kv_total_blocks": 64, "block_size": 16, "max_num_seqs": 2,
         "max_num_batched_tokens": 512, "speedup": 1.0, "prompt_tokens": 32,
         "max_tokens": 32, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
         "slow_for": 20.0, "shipped": "0.2:0.03125", "sweep": "0.1:0.03125,0.3:0.0625",
-        "target_ceiling": "0.2:0.03125", "target_alone": False,
-        "unloaded_probes": 41, "sweep_seconds": 24.0,
+        "sweep_phases": "3:20,10:15", "unloaded_probes": 41, "capacity_start": 0.5,
+        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 7,
+        "classes_seconds": 60.0,
     },
+    VLLM: {
+        # The overload benchmark's shape: 7 blocks of 128 tokens, 4 sequences; busy above
+        # 3.5 blocks or with a request's prompt waiting (64 of 2048 batched tokens).
+        "kv_total_blocks": 7, "block_size": 128, "max_num_seqs": 4,
+        "max_num_batched_tokens": 2048, "speedup": 1.0, "prompt_tokens": 32,
+        "max_tokens": 64, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
+        "slow_for": 20.0, "shipped": "0.5:0.03125", "sweep": "0.3:0.03125,0.8:0.0625",
+        "sweep_phases": "3:20,10:15", "unloaded_probes": 41, "capacity_start": 0.5,
+        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 7,
+        "classes_seconds": 60.0,
+    },
+}  # fmt: skip
+# --quick: every part of the run, shortened to a minute or two (a test of the report's
+# shape, not of the goals: its phases are too short to judge them, no window is judged).
+QUICK: dict[str, Any] = {
+    "phases": "1:2,3:6,10:2,1:2", "slow_at": 1.0, "slow_for": 5.0, "sweep": "",
+    "sweep_phases": "3:3", "unloaded_probes": 11, "capacity_seconds": 8.0,
+    "capacity_warmup": 1.0, "capacity_probes": 3, "classes_seconds": 4.0, "grace": 2.0,
 }  # fmt: skip
 
 
 def _by_engine(key: str) -> str:
-    sim, llama = (ENGINE_DEFAULTS[e][key] for e in (SIM, LLAMACPP))
-    return f"(default: {sim!r} on sim, {llama!r} on llamacpp)"
+    values = ", ".join(f"{ENGINE_DEFAULTS[e][key]!r} on {e}" for e in ENGINES)
+    return f"(default: {values})"
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
@@ -306,9 +487,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine", choices=ENGINES, default=SIM,
-                   help="the workers: two simulated engines, or two llama.cpp llama-server "
-                   "with their agents (make engine installs it); the files are named slo-* "
-                   "or slo-llamacpp-* (default: %(default)s)")  # fmt: skip
+                   help="the workers: two simulated engines, two llama.cpp llama-server or "
+                   "two vLLM servers with their agents (make engine / make vllm install "
+                   "them); the files are named slo-* or slo-<engine>-* "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="every part, shortened to a minute or two: phases "
+                   f"{QUICK['phases']}, no threshold sweep, short probes (a test of the "
+                   "report, too short to judge the goals)")  # fmt: skip
     eng = p.add_argument_group(
         "workers (two, identical; on llamacpp the context is "
         "kv-total-blocks x block-size tokens and max-num-seqs its slots)"
@@ -320,13 +506,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     req = p.add_argument_group("requests (streaming chat completions)")
     req.add_argument("--prompt-tokens", type=int, help=_by_engine("prompt_tokens"))
     req.add_argument("--max-tokens", type=int, help=_by_engine("max_tokens"))
-    req.add_argument("--max-attempts", type=int, default=3,
-                     help="attempts per request, the first included "
-                     "(default: %(default)s)")  # fmt: skip
+    req.add_argument("--max-retries", type=int, default=2,
+                     help="retries per user request after its first attempt, as the OpenAI "
+                     "SDK's max_retries (default: %(default)s)")  # fmt: skip
+    cap = p.add_argument_group("capacity at target")
+    cap.add_argument("--capacity", type=float, help="req/s: skip the search and use this")
+    cap.add_argument("--capacity-start", type=float, help=_by_engine("capacity_start"))
+    cap.add_argument("--capacity-seconds", type=float, help=_by_engine("capacity_seconds"))
+    cap.add_argument(
+        "--capacity-warmup",
+        type=float,
+        help="seconds of each probe not judged " + _by_engine("capacity_warmup"),
+    )
+    cap.add_argument("--capacity-probes", type=int, help=_by_engine("capacity_probes"))
     run = p.add_argument_group("phases and the slowdown")
     run.add_argument("--phases",
-                     help="load:seconds per phase, load in multiples of capacity "
-                     + _by_engine("phases"))  # fmt: skip
+                     help="load:seconds per phase, load in multiples of the capacity at "
+                     "target " + _by_engine("phases"))  # fmt: skip
     run.add_argument("--slow-phase", type=int, default=2,
                      help="the phase (1-based) in which a worker slows down "
                      "(default: 2)")  # fmt: skip
@@ -335,42 +531,44 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     run.add_argument("--slow-for", type=float,
                      help="how long it stays slow " + _by_engine("slow_for"))  # fmt: skip
     run.add_argument("--slow-factor", type=float, default=2.0,
-                     help="how many times slower (default: %(default)s; llama.cpp: the "
-                     "server is paused and resumed on a 100-ms duty cycle)")  # fmt: skip
+                     help="how many times slower (default: %(default)s; the simulated engine "
+                     "takes that many times as long per step; a real engine is paused and "
+                     "resumed on a 100-ms duty cycle)")  # fmt: skip
     mode = p.add_argument_group("modes")
     mode.add_argument("--shipped",
-                      help="decode:prefill_frac thresholds of the 'shipped' mode, also the "
-                      "target mode's ceiling " + _by_engine("shipped")
+                      help="decode:prefill_frac thresholds of the 'shipped' mode "
+                      + _by_engine("shipped")
                       + "; the overload benchmark's; the product ships with both off")  # fmt: skip
     mode.add_argument("--sweep",
-                      help="more fixed thresholds to try, decode:prefill_frac, "
+                      help="fixed thresholds to try beside the shipped ones, decode:prefill_frac, "
                       "comma-separated ('' = none) " + _by_engine("sweep"))  # fmt: skip
-    mode.add_argument("--target-ceiling",
-                      help="decode:prefill_frac thresholds configured beside the target in "
-                      "the target mode, its ceiling; off:off = the target alone, whose "
-                      "ceiling is a full worker " + _by_engine("target_ceiling"))  # fmt: skip
-    mode.add_argument("--target-alone", action=argparse.BooleanOptionalAction,
-                      help="also run the mode 'target alone': the target and no threshold, "
-                      "its ceiling a full worker " + _by_engine("target_alone"))  # fmt: skip
+    mode.add_argument(
+        "--sweep-phases", help="load:seconds of the sweep's phases " + _by_engine("sweep_phases")
+    )
     mode.add_argument("--target-ms", type=float,
                       help="the TTFT p99 target (default: 4 x the unloaded p50)")  # fmt: skip
-    mode.add_argument("--no-target-mode", action="store_true",
-                      help="skip the target mode (an extproc without latency targets)")  # fmt: skip
+    mode.add_argument(
+        "--classes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the classes at 1x on a second stack (default: on)",
+    )
+    mode.add_argument("--classes-seconds", type=float, help=_by_engine("classes_seconds"))
     p.add_argument("--unloaded-probes", type=int, help=_by_engine("unloaded_probes"))
-    p.add_argument("--capacity", type=float, help="req/s: skip the sweep and use this")
-    p.add_argument("--grace", type=float, default=5.0,
-                   help="seconds the last streams get after the last phase")  # fmt: skip
-    p.add_argument("--sweep-seconds", type=float, help=_by_engine("sweep_seconds"))
+    p.add_argument(
+        "--grace", type=float, help="seconds the last streams get after the last phase (default: 5)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the results and plots")
     a = p.parse_args(argv)
-    for key, value in ENGINE_DEFAULTS[a.engine].items():
+    defaults = {**ENGINE_DEFAULTS[a.engine], "grace": 5.0, **(QUICK if a.quick else {})}
+    for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     try:
-        phases = _phases(a.phases)
+        phases = _phases("--phases", a.phases, 1.0 if a.quick else 5.0)
+        sweep_phases = _phases("--sweep-phases", a.sweep_phases, 1.0)
         shipped = _pair("--shipped", a.shipped)
-        target_ceiling = _pair("--target-ceiling", a.target_ceiling)
         sweep = tuple(_pair("--sweep", x) for x in a.sweep.split(",") if x.strip())
     except ValueError as exc:
         p.error(str(exc))
@@ -387,10 +585,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     if a.unloaded_probes < 2:
         p.error(f"--unloaded-probes: {a.unloaded_probes} is not a count of 2 or more "
                 "(the first is not counted)")  # fmt: skip
-    if a.max_attempts < 1:
-        p.error(f"--max-attempts: {a.max_attempts} is not a count of 1 or more")
-    for flag, value in (("--capacity", a.capacity), ("--grace", a.grace)):
-        if value is not None and not value > 0:
+    if not 0 <= a.max_retries <= 10:
+        p.error(f"--max-retries: {a.max_retries} is not a count from 0 to 10")
+    if a.capacity_probes < 1:
+        p.error(f"--capacity-probes: {a.capacity_probes} is not a count of 1 or more")
+    if not 0 <= a.capacity_warmup < a.capacity_seconds:
+        p.error(f"--capacity-warmup: {a.capacity_warmup:g} is not from 0 to below "
+                f"--capacity-seconds {a.capacity_seconds:g}")  # fmt: skip
+    for flag, value in (("--capacity", a.capacity), ("--grace", a.grace),
+                        ("--capacity-start", a.capacity_start),
+                        ("--classes-seconds", a.classes_seconds)):  # fmt: skip
+        if value is not None and not (math.isfinite(value) and value > 0):
             p.error(f"{flag}: {value:g} is not a positive number")
     cfg = Config(
         kv_total_blocks=a.kv_total_blocks,
@@ -406,13 +611,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         cell_seconds=sum(ph.seconds for ph in phases),
         warmup=0.0,
         grace=a.grace,
-        sweep_seconds=a.sweep_seconds,
+        sweep_seconds=a.capacity_seconds,
         seed=a.seed,
         capacity=a.capacity,
         track_output_blocks=True,
         engine=a.engine,
         # A real model may end a reply before max_tokens; every request should cost the same.
-        ignore_eos=a.engine == LLAMACPP,
+        ignore_eos=a.engine != SIM,
         unloaded_probes=a.unloaded_probes,
     )
     plan = PhasePlan(
@@ -422,35 +627,88 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         slow_for=a.slow_for,
         slow_factor=a.slow_factor,
     )
-    retry = Retry(max_attempts=a.max_attempts)
     opts = Options(
-        plan,
-        retry,
-        shipped,
-        sweep,
-        a.target_ms,
-        not a.no_target_mode,
-        target_ceiling,
-        a.target_alone and not a.no_target_mode,
+        plan=plan,
+        sweep_plan=replace(plan, phases=sweep_phases, slow_phase=0, slow_at=0.0, slow_for=0.0),
+        retry=OpenAIRetry(max_retries=a.max_retries),
+        shipped=shipped,
+        sweep=sweep,
+        target_ms=a.target_ms,
+        capacity_start=a.capacity_start,
+        capacity_seconds=a.capacity_seconds,
+        capacity_warmup=a.capacity_warmup,
+        capacity_probes=a.capacity_probes,
+        classes=a.classes,
+        classes_seconds=a.classes_seconds,
     )
     return cfg, opts, Path(a.out)
+
+
+def workers_factory(cfg: Config) -> Callable[[Config, Extproc, Path], Workers]:
+    """The workers ``cfg.engine`` names (vLLM's module is imported only for vLLM)."""
+    if cfg.engine != VLLM:
+        return workers_for
+    from loadtest.shedbench.vllm_workers import VllmWorkers
+
+    return VllmWorkers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, opts, out = parse_args(argv)
     command = shlex.join(["python", "-m", "loadtest.slo", *(argv or sys.argv[1:])])
-    with tempfile.TemporaryDirectory(prefix="slo-") as tmp:
-        log_path = Path(tmp) / "access.log"
-        stack = Stack(cfg, Path(tmp), envoy_tweak=access_log_tweak(str(log_path)))
-        try:
-            log(f"stack up: {stack.describe()}")
+    started = time.monotonic()
+    before = load_average()
+    classes: ClassesRun | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="slo-") as tmp:
+            log_path = Path(tmp) / "access.log"
+            stack = Stack(
+                cfg, Path(tmp), workers=workers_factory(cfg),
+                envoy_tweak=access_log_tweak(str(log_path)),
+            )  # fmt: skip
             try:
-                results = asyncio.run(run(cfg, stack, opts, log_path, command))
-            except NoLatencyTarget as exc:
-                print(f"python -m loadtest.slo: {exc}", file=sys.stderr)
-                return 2
-        finally:
-            stack.close()
+                log(f"stack up: {stack.describe()}")
+                got = asyncio.run(run_main(cfg, stack, opts, log_path))
+            finally:
+                stack.close()
+        if opts.classes:
+            with tempfile.TemporaryDirectory(prefix="slo-classes-") as tmp:
+                yaml = classes_yaml(got.target_ms)
+                path = Path(tmp) / "classes.yaml"
+                path.write_text(yaml)
+                stack = Stack(cfg, Path(tmp), ["--classes-file", str(path)], workers_factory(cfg))
+                try:
+                    log(f"classes stack up: {stack.describe()}")
+                    classes = asyncio.run(
+                        run_classes(cfg, stack, opts, got.capacity, got.target_ms, yaml)
+                    )
+                finally:
+                    stack.close()
+    except BenchmarkError as exc:
+        print(f"python -m loadtest.slo: {exc}", file=sys.stderr)
+        return 2
+    results = SloResults(
+        config=cfg,
+        plan=opts.plan,
+        retry=opts.retry,
+        command=command,
+        unloaded_ttft_p50_ms=got.unloaded_p50_ms,
+        unloaded_ttft_p99_ms=got.unloaded_p99_ms,
+        capacity_rps=got.capacity,
+        target_ms=got.target_ms,
+        modes=got.modes,
+        best_fixed=got.best_fixed,
+        capacity_probes=got.probes,
+        capacity_search=got.search,
+        sweep=got.sweep,
+        sweep_plan=opts.sweep_plan if got.sweep else None,
+        classes=classes,
+        sources=got.sources,
+        sources_by_mode=got.by_mode,
+        splits=got.splits,
+        seconds=time.monotonic() - started,
+        load_average={"before": before, "after": load_average()},
+    )
     write_results(out, file_prefix(cfg), results, markdown(results), plot)
     return 0
 

@@ -1,15 +1,17 @@
-"""What the stack does unloaded (the reference TTFT) and at most (the capacity sweep)."""
+"""What the stack does unloaded (the reference TTFT), at most (the closed-loop capacity sweep),
+and at a TTFT target (the highest Poisson rate whose TTFT p99 holds it)."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from loadtest.shedbench.arrivals import closed_loop
-from loadtest.shedbench.client import probe
+from loadtest.shedbench.client import Outcome, probe
 from loadtest.shedbench.config import Config
 from loadtest.shedbench.results import log
 from loadtest.shedbench.stack import Stack
@@ -72,3 +74,68 @@ async def sweep_capacity(
         await wait_idle(session, stack.engines)
     best = max(s["completed_rps"] for s in sweep)
     return sweep, next(s for s in sweep if s["completed_rps"] >= 0.95 * best)
+
+
+@dataclass(frozen=True)
+class RateProbe:
+    """One rate of the search for the capacity at target: Poisson arrivals, thresholds off,
+    no retries; the TTFT p99 of those that arrived after the warm-up (a stream cut at the
+    end counts what it had waited)."""
+
+    rate: float
+    requests: int  # judged: arrived after the warm-up
+    ttft_p99_ms: float
+    refused: int
+    errors: int
+    within: bool  # enough requests, none refused or failed, and the p99 within target
+
+
+MIN_JUDGED = 20  # fewer requests in a probe: its p99 says nothing
+
+
+async def search_capacity(
+    probe: Callable[[float], Awaitable[RateProbe]],
+    start: float,
+    max_probes: int,
+    resolution: float = 0.1,
+) -> tuple[float, list[RateProbe]]:
+    """The highest Poisson rate whose probe holds the target, and every probe in order.
+
+    From ``start`` the rate doubles while it holds (halves while it does not, down to
+    ``start / 32``) until one rate holds and a higher one does not; then bisects between
+    them until they are within ``resolution`` of the lower one. At most ``max_probes``
+    probes. Assumes one probe per rate is enough (the TTFT p99 grows with the rate);
+    0.0 when no rate held."""
+    probes: list[RateProbe] = []
+    low: float | None = None  # the highest rate that held
+    high: float | None = None  # the lowest rate that did not
+    rate = start
+    while len(probes) < max_probes:
+        result = await probe(rate)
+        probes.append(result)
+        if result.within:
+            low = rate if low is None else max(low, rate)
+        else:
+            high = rate if high is None else min(high, rate)
+        if high is None:
+            rate *= 2
+        elif low is None:
+            rate /= 2
+            if rate < start / 32:
+                break
+        elif high - low <= resolution * low:
+            break
+        else:
+            rate = (low + high) / 2
+    return (low or 0.0), probes
+
+
+def judge_probe(rate: float, outcomes: list[Outcome], warmup: float, target_ms: float) -> RateProbe:
+    """A :class:`RateProbe` from the answers of one open-loop run."""
+    judged = [o for o in outcomes if o.arrival >= warmup]
+    ok = [o.ttft for o in judged if o.status == 200 and o.ttft is not None]
+    refused = sum(1 for o in judged if o.status in (429, 503, 529))
+    errors = sum(1 for o in judged if o.status not in (200, 429, 503, 529))
+    p99 = percentile(ok, 99) * 1e3
+    within = len(judged) >= MIN_JUDGED and not refused and not errors and p99 <= target_ms
+    return RateProbe(rate, len(judged), p99, refused, errors, within)

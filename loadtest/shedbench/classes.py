@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -41,6 +41,28 @@ class Retry:
         backoff = rng.uniform(0.0, min(self.cap, self.base * 2 ** (attempt - 1)))
         return (retry_after if retry_after is not None else 0.0) + backoff
 
+    def retries(self, out: Outcome) -> bool:
+        """Only an overload reply is retried."""
+        return out.status in OVERLOAD_STATUSES
+
+    def wait(self, attempt: int, out: Outcome, rng: random.Random) -> float:
+        return self.delay(attempt, out.retry_after, rng)
+
+
+class RetryPolicy(Protocol):
+    """When a client retries and how long it waits first."""
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    def retries(self, out: Outcome) -> bool:
+        """This answer is retried (while attempts remain)."""
+        ...
+
+    def wait(self, attempt: int, out: Outcome, rng: random.Random) -> float:
+        """Seconds before attempt ``attempt + 1``, after attempt ``attempt`` got ``out``."""
+        ...
+
 
 @dataclass(slots=True)
 class Request:
@@ -58,6 +80,20 @@ class Request:
     def admitted(self) -> bool:
         return bool(self.attempts) and self.last.status == 200
 
+    @property
+    def first_token_at(self) -> float | None:
+        """When its first token came (from the same start as ``arrival``), if it did."""
+        last = self.attempts[-1] if self.attempts else None
+        if last is None or last.status != 200 or last.ttft is None:
+            return None
+        return last.arrival + last.ttft
+
+    @property
+    def user_ttft(self) -> float | None:
+        """Seconds from its first attempt to its first token, retries and waits included."""
+        at = self.first_token_at
+        return None if at is None else at - self.arrival
+
 
 async def attempts(
     session: aiohttp.ClientSession,
@@ -65,7 +101,7 @@ async def attempts(
     body: bytes,
     req: Request,
     t0: float,
-    retry: Retry | None,
+    retry: RetryPolicy | None,
     jitter: random.Random,
     last_retry: float,
     headers: dict[str, str] | None = None,
@@ -76,11 +112,11 @@ async def attempts(
         out = Outcome(arrival=time.monotonic() - t0)
         req.attempts.append(out)
         await send(session, url, body, out, t0, headers)
-        if retry is None or out.status not in OVERLOAD_STATUSES:
+        if retry is None or not retry.retries(out):
             return
         if len(req.attempts) >= retry.max_attempts:
             return
-        delay = retry.delay(len(req.attempts), out.retry_after, jitter)
+        delay = retry.wait(len(req.attempts), out, jitter)
         if time.monotonic() - t0 + delay > last_retry:
             return
         await asyncio.sleep(delay)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import json
 import random
 import time
@@ -24,7 +25,9 @@ class Outcome:
     e2e: float | None = None
     finished: bool = False
     error: str = ""
-    retry_after: float | None = None  # of a rejection, in seconds
+    retry_after: float | None = None  # of a rejection, in seconds (``Retry-After``)
+    retry_after_ms: float | None = None  # of a rejection, ``retry-after-ms``
+    should_retry: str = ""  # of a rejection, ``x-should-retry`` (``true``/``false``)
     shed_class: str = ""  # x-shed-class of a rejection: the class the extproc decided on
     shed_reason: str = ""  # x-shed-reason of a rejection: the check that fired
     # The worker that served an answer: its x-worker-id (the simulated engine sends one),
@@ -65,8 +68,10 @@ async def send(
             out.status = resp.status
             out.worker = resp.headers.get("x-worker-id") or resp.headers.get(SERVED_BY) or ""
             if resp.status != 200:
+                out.retry_after = retry_after_seconds(resp.headers.get("retry-after", ""))
                 with contextlib.suppress(ValueError):
-                    out.retry_after = float(resp.headers.get("retry-after", ""))
+                    out.retry_after_ms = float(resp.headers.get("retry-after-ms", ""))
+                out.should_retry = resp.headers.get("x-should-retry", "")
                 out.shed_class = resp.headers.get("x-shed-class", "")
                 out.shed_reason = resp.headers.get("x-shed-reason", "")
                 await resp.read()
@@ -81,6 +86,16 @@ async def send(
             out.finished = out.ttft is not None
     except aiohttp.ClientError as exc:
         out.error = type(exc).__name__
+
+
+def retry_after_seconds(value: str) -> float | None:
+    """``Retry-After`` as seconds: a number, or an HTTP date (from now); None otherwise."""
+    with contextlib.suppress(ValueError):
+        return float(value)
+    parsed = email.utils.parsedate_tz(value)
+    if parsed is None:
+        return None
+    return float(email.utils.mktime_tz(parsed) - time.time())
 
 
 def censor(out: Outcome, cutoff: float) -> None:

@@ -1,5 +1,5 @@
 """Offered load in phases with retrying clients, one worker slowed down in the middle, and
-what the stack said about itself meanwhile (the limit, its TTFT, the engines' TTFT)."""
+what the stack said about itself meanwhile (the requests it held, its TTFT, the engines')."""
 
 from __future__ import annotations
 
@@ -7,21 +7,22 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from loadtest.shedbench.arrivals import poisson
-from loadtest.shedbench.classes import Request, Retry, attempts
+from loadtest.shedbench.classes import CLASS_HEADER, Request, RetryPolicy, attempts
 from loadtest.shedbench.client import censor, request_body
-from loadtest.shedbench.config import Config
+from loadtest.shedbench.config import MODEL, Config
 from loadtest.shedbench.stack import Stack
 from loadtest.shedbench.workers import Buckets
 
 BENCH_ID_HEADER = "x-bench-id"  # the logical request's number, for Envoy's access log
-SAMPLE_EVERY = 0.5  # seconds between reads of /debug/workers
+SAMPLE_EVERY = 0.5  # seconds between reads of /debug/workers and of the extproc's metrics
+HELD_METRIC = "extproc_held_requests"  # requests held in the router, per model
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Phase:
 @dataclass(frozen=True)
 class PhasePlan:
     """The phases, and the worker slowed down ``slow_at`` seconds into phase ``slow_phase``
-    (0-based) for ``slow_for`` seconds."""
+    (0-based) for ``slow_for`` seconds (0: no slowdown)."""
 
     phases: tuple[Phase, ...] = (Phase(1, 20), Phase(3, 30), Phase(10, 20), Phase(1, 20))
     slow_phase: int = 1
@@ -73,6 +74,15 @@ class Sample:
 
 
 @dataclass
+class HeldSample:
+    """``extproc_held_requests`` of the benchmark's model at ``at``; None: the extproc
+    does not report it."""
+
+    at: float
+    held: float | None
+
+
+@dataclass
 class HistogramRead:
     """The engines' TTFT histograms read at ``at``."""
 
@@ -86,6 +96,7 @@ class PhasedRun:
 
     requests: list[Request] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    held: list[HeldSample] = field(default_factory=list)
     histograms: list[HistogramRead] = field(default_factory=list)
     slowed: tuple[float, float] = (0.0, 0.0)  # when the slowdown was set and lifted
     slow_worker: str = ""  # the id of the worker slowed down
@@ -98,26 +109,34 @@ async def run_phases(
     cfg: Config,
     plan: PhasePlan,
     capacity: float,
-    retry: Retry,
+    retry: RetryPolicy,
     tag: str = "",
     histogram_every: float = 5.0,
+    mix: Sequence[tuple[str, float]] = (),
 ) -> PhasedRun:
     """Every phase's Poisson arrivals (seeded per phase: the same in every mode) of retrying
-        clients, back to back on one clock; the slowdown; the samplers. Request ``n`` carries
-    ``x-bench-id: <tag><n>`` (Envoy's access log names it). Bounded: each phase at
-        most ``2 x rate x seconds + 10`` requests of at most ``retry.max_attempts`` attempts,
-        everything cancelled ``cfg.grace`` seconds after the last phase."""
+    clients, back to back on one clock; the slowdown; the samplers. Request ``n`` carries
+    ``x-bench-id: <tag><n>`` (Envoy's access log names it) and, with a ``mix`` of
+    (class, share), a class drawn from its own seeded stream (the arrivals and bodies stay
+    those without classes). Bounded: each phase at most ``2 x rate x seconds + 10``
+    requests of at most ``retry.max_attempts`` attempts, everything cancelled
+    ``cfg.grace`` seconds after the last phase."""
     run = PhasedRun(slow_worker=stack.engines.ids[plan.slow_worker])
     total = plan.seconds
     t0 = time.monotonic() + 0.2
     last_retry = total + cfg.grace / 2
     jitter = random.Random(f"{cfg.seed}-jitter")
+    draw = random.Random(f"{cfg.seed}-classes")
+    names, weights = [n for n, _ in mix], [w for _, w in mix]
 
     def launcher(offset: float, rng: random.Random) -> Any:
         def launch(at: float, phase_t0: float) -> Coroutine[Any, Any, None]:
-            req = Request(cls="", arrival=offset + at)
+            cls = draw.choices(names, weights)[0] if mix else ""
+            req = Request(cls=cls, arrival=offset + at)
             run.requests.append(req)
             headers = {BENCH_ID_HEADER: f"{tag}{len(run.requests) - 1}"}
+            if cls:
+                headers[CLASS_HEADER] = cls
             body = request_body(cfg, rng)
             return attempts(session, stack.url, body, req, t0, retry, jitter, last_retry, headers)
 
@@ -132,6 +151,7 @@ async def run_phases(
     stop = asyncio.Event()
     samplers = [
         asyncio.create_task(_sample_debug(session, stack, t0, run, stop)),
+        asyncio.create_task(_sample_held(session, stack, t0, run, stop)),
         asyncio.create_task(_sample_histograms(session, stack, t0, run, stop, histogram_every)),
     ]
     slowdown = asyncio.create_task(_slow_one(session, stack, plan, t0, run))
@@ -155,6 +175,8 @@ async def run_phases(
 async def _slow_one(
     session: aiohttp.ClientSession, stack: Stack, plan: PhasePlan, t0: float, run: PhasedRun
 ) -> None:
+    if plan.slow_for <= 0:
+        return
     await asyncio.sleep(max(0.0, t0 + plan.slow_start - time.monotonic()))
     await stack.engines.slowdown(session, plan.slow_worker, plan.slow_factor)
     began = time.monotonic() - t0
@@ -187,6 +209,38 @@ async def _sample_debug(
                     control.get("engine_ttft_p99_ms"),
                 )
             )
+        await _wait(stop, SAMPLE_EVERY)
+
+
+def held_requests(metrics: str, model: str = MODEL) -> float | None:
+    """The value of ``extproc_held_requests{model="<model>"}`` in a metrics page, summed
+    over its other labels; None when the page has no such series."""
+    total: float | None = None
+    label = f'model="{model}"'
+    for line in metrics.splitlines():
+        if not line.startswith(HELD_METRIC + "{") or label not in line:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        total = (total or 0.0) + value
+    return total
+
+
+async def _sample_held(
+    session: aiohttp.ClientSession, stack: Stack, t0: float, run: PhasedRun, stop: asyncio.Event
+) -> None:
+    """The extproc's ``/metrics`` every :data:`SAMPLE_EVERY` s: the requests it holds."""
+    url = stack.ext.admin + "/metrics"
+    timeout = aiohttp.ClientTimeout(total=2)
+    while not stop.is_set():
+        try:
+            async with session.get(url, timeout=timeout) as resp:
+                held = held_requests(await resp.text())
+        except (aiohttp.ClientError, TimeoutError):
+            held = None
+        run.held.append(HeldSample(time.monotonic() - t0, held))
         await _wait(stop, SAMPLE_EVERY)
 
 

@@ -4,10 +4,11 @@ TTFT p99 took to come back within target after the slowdown."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
-from loadtest.shedbench.classes import OVERLOAD_STATUSES
+from loadtest.shedbench.classes import OVERLOAD_STATUSES, Request
 from loadtest.shedbench.client import Outcome
 from loadtest.shedbench.phases import PhasedRun, PhasePlan
 from loadtest.shedbench.stats import percentile
@@ -44,7 +45,7 @@ class Mode:
 
     def describe(self) -> str:
         if self.decode is None and self.prefill_frac is None and self.target_ms:
-            return f"TTFT p99 target {self.target_ms:g} ms alone (its ceiling: a full worker)"
+            return f"TTFT p99 target {self.target_ms:g} ms alone: no threshold, nothing tuned"
         if self.decode is None and self.prefill_frac is None:
             checks = "thresholds off"
         else:
@@ -66,7 +67,7 @@ class Window:
     rejected_rps: float
     ttft_p99_ms: float  # of the admitted attempts; NaN when none was admitted
     admitted: int
-    limit: dict[str, float]  # per worker: the mean latency limit read in the window
+    held: float | None  # mean of extproc_held_requests read in the window; None: not reported
     slowed: bool  # the slowdown was on for part of the window
     judged: bool  # at least SETTLE seconds into its phase
 
@@ -83,19 +84,42 @@ def within_target(admitted: int, ttft_p99_ms: float, target_ms: float) -> bool:
 
 
 @dataclass
+class Second:
+    """``[t, t + 1)`` s into the run: attempts sent in it admitted and rejected, and the
+    requests the router held (the mean of its reads; None: not reported)."""
+
+    t: int
+    admitted: int
+    rejected: int
+    held: float | None
+
+
+@dataclass
 class PhaseStats:
+    """One phase of one mode. A *user request* is a logical request with its retries; its
+    TTFT runs from its first attempt to its first token, retries and waits included."""
+
     load: float
     seconds: float
-    requests: int  # logical requests that arrived in the phase
+    requests: int  # user requests that arrived in the phase
     attempts: int
-    admitted: int  # requests whose last attempt was answered 200
+    admitted: int  # user requests whose last attempt was answered 200
+    admitted_first: int  # user requests whose first attempt was answered 200
     rejected_attempts: int
-    gave_up: int  # requests whose last attempt was still an overload reply
+    gave_up: int  # user requests whose last attempt was still refused
     goodput_rps: float  # 2xx streams completed in the phase, per second
-    slo_goodput_rps: float  # ... whose TTFT was within the target
-    ttft_p99_ms: float
+    # User requests whose first token came in the phase within the target (their TTFT
+    # with retries), their stream completed, per second.
+    slo_goodput_rps: float
+    ttft_p99_ms: float  # of the admitted attempts sent in the phase
+    user_ttft_p99_ms: float  # of the user requests of the phase that got a first token
     windows_judged: int
     windows_within: int
+    deadline_rejections: int = 0  # attempts refused with x-shed-reason: deadline
+
+    @property
+    def admitted_first_share(self) -> float:
+        return self.admitted_first / self.requests if self.requests else math.nan
 
 
 @dataclass
@@ -109,7 +133,9 @@ class ModeResult:
     errors: int
     # The slowed worker's TTFT p50 (ms) of attempts sent before and during the slowdown.
     slow_worker_ttft_p50_ms: tuple[float, float] = (math.nan, math.nan)
-    series: dict[str, list[tuple[float, float | None]]] = field(default_factory=dict)
+    seconds: list[Second] = field(default_factory=list)
+    held_reported: bool = False  # the extproc reported extproc_held_requests
+    reasons: dict[str, int] = field(default_factory=dict)  # refused attempts by x-shed-reason
 
 
 def _attempts(run: PhasedRun) -> list[Outcome]:
@@ -124,31 +150,48 @@ def _p50_ms(outs: list[Outcome]) -> float:
     return percentile([o.ttft for o in outs if o.ttft is not None], 50) * 1e3
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def refused(out: Outcome) -> bool:
+    """An overload reply (any of the statuses the extproc answers with)."""
+    return out.status in OVERLOAD_STATUSES
+
+
+def slo_good(req: Request, start: float, end: float, target_s: float) -> bool:
+    """``req`` got its first token in ``[start, end)`` within ``target_s`` of its first
+    attempt, and its stream completed."""
+    at, ttft = req.first_token_at, req.user_ttft
+    return (
+        at is not None and ttft is not None and start <= at < end and ttft <= target_s
+        and req.last.finished
+    )  # fmt: skip
+
+
 def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float) -> ModeResult:
     """Windows, phases and recovery of one mode, from its responses; ``target_ms`` is the
     bar of SLO goodput and windows (the same for every mode)."""
     attempts = _attempts(run)
     admitted = [a for a in attempts if a.status == 200]
     began, ended = run.slowed
+    held_reads = [h for h in run.held if h.held is not None]
     windows: list[Window] = []
     for i, (phase, start) in enumerate(zip(plan.phases, plan.starts(), strict=True)):
         at = start
         while at + WINDOW <= start + phase.seconds + 1e-9:
             mine = [a for a in attempts if at <= a.arrival < at + WINDOW]
             ok = [a for a in mine if a.status == 200]
-            limits: dict[str, list[float]] = {}
-            for s in run.samples:
-                if at <= s.at < at + WINDOW and s.limit is not None:
-                    limits.setdefault(s.worker, []).append(s.limit)
+            held = [h.held for h in held_reads if at <= h.at < at + WINDOW and h.held is not None]
             windows.append(
                 Window(
                     start=at,
                     phase=i,
                     admitted_rps=len(ok) / WINDOW,
-                    rejected_rps=sum(1 for a in mine if a.status in OVERLOAD_STATUSES) / WINDOW,
+                    rejected_rps=sum(1 for a in mine if refused(a)) / WINDOW,
                     ttft_p99_ms=_p99_ms(ok),
                     admitted=len(ok),
-                    limit={w: sum(v) / len(v) for w, v in sorted(limits.items())},
+                    held=_mean(held),
                     slowed=run.slowed[0] < at + WINDOW and at < run.slowed[1],
                     judged=at >= start + SETTLE,
                 )
@@ -162,6 +205,7 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
         mine = [a for r in reqs for a in r.attempts]
         done = [a for a in admitted if a.finished and start <= a.arrival + (a.e2e or 0) < end]
         judged = [w for w in windows if w.phase == i and w.judged]
+        user_ttfts = [t for r in reqs if (t := r.user_ttft) is not None]
         phases.append(
             PhaseStats(
                 load=phase.load,
@@ -169,18 +213,36 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
                 requests=len(reqs),
                 attempts=len(mine),
                 admitted=sum(1 for r in reqs if r.admitted),
-                rejected_attempts=sum(1 for a in mine if a.status in OVERLOAD_STATUSES),
-                gave_up=sum(1 for r in reqs if r.last.status in OVERLOAD_STATUSES),
+                admitted_first=sum(1 for r in reqs if r.attempts[0].status == 200),
+                rejected_attempts=sum(1 for a in mine if refused(a)),
+                gave_up=sum(1 for r in reqs if refused(r.last)),
                 goodput_rps=len(done) / phase.seconds,
-                slo_goodput_rps=sum(1 for a in done if (a.ttft or 0) <= target_s) / phase.seconds,
+                slo_goodput_rps=sum(1 for r in run.requests if r.attempts
+                                    and slo_good(r, start, end, target_s)) / phase.seconds,
                 ttft_p99_ms=_p99_ms([a for a in mine if a.status == 200]),
+                user_ttft_p99_ms=percentile(user_ttfts, 99) * 1e3,
                 windows_judged=len(judged),
                 windows_within=sum(1 for w in judged if w.within(target_ms)),
+                deadline_rejections=sum(
+                    1 for a in mine if refused(a) and a.shed_reason == "deadline"
+                ),
             )
-        )
+        )  # fmt: skip
     per_second: dict[int, int] = {}
     for a in attempts:
         per_second[int(a.arrival)] = per_second.get(int(a.arrival), 0) + 1
+    seconds = []
+    for t in range(math.ceil(plan.seconds)):
+        mine = [a for a in attempts if t <= a.arrival < t + 1]
+        held = [h.held for h in held_reads if t <= h.at < t + 1 and h.held is not None]
+        seconds.append(
+            Second(
+                t=t,
+                admitted=sum(1 for a in mine if a.status == 200),
+                rejected=sum(1 for a in mine if refused(a)),
+                held=_mean(held),
+            )
+        )
     return ModeResult(
         mode=mode,
         phases=phases,
@@ -195,10 +257,9 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
                 [a for a in admitted if a.worker == run.slow_worker and began <= a.arrival < ended]
             ),
         ),
-        series={
-            w: [(s.at, s.limit) for s in run.samples if s.worker == w and s.limit is not None]
-            for w in sorted({s.worker for s in run.samples if s.limit is not None})
-        },
+        seconds=seconds,
+        held_reported=bool(held_reads),
+        reasons=dict(Counter(a.shed_reason or "none" for a in attempts if refused(a))),
     )
 
 

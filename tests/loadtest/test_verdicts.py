@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from loadtest.shedbench.classes import Request, Retry
+from loadtest.shedbench.classes import Request
 from loadtest.shedbench.client import Outcome
 from loadtest.shedbench.config import Config
 from loadtest.shedbench.phases import Phase, PhasedRun, PhasePlan
@@ -25,6 +25,7 @@ from loadtest.shedbench.report import (
     recovery_verdict,
     rejections_ordered,
 )
+from loadtest.shedbench.retry import OpenAIRetry
 from loadtest.shedbench.slo_report import SloResults, goals
 from loadtest.shedbench.slo_report import markdown as slo_markdown
 from loadtest.shedbench.slo_report import recovery_verdict as slo_recovery_verdict
@@ -145,11 +146,11 @@ def _phased(shed_while_slow: bool) -> PhasedRun:
 
 
 def _results(run: PhasedRun) -> SloResults:
-    mode = Mode("target", 0.9, 0.4, TARGET_MS)
+    mode = Mode("target alone", None, None, TARGET_MS)
     target = summarize_run(run, PLAN, mode, TARGET_MS)
     fixed = summarize_run(_phased(False), PLAN, Mode("shipped", 0.9, 0.4), TARGET_MS)
     return SloResults(
-        config=CFG, plan=PLAN, retry=Retry(), command="python -m loadtest.slo",
+        config=CFG, plan=PLAN, retry=OpenAIRetry(), command="python -m loadtest.slo",
         unloaded_ttft_p50_ms=20.0, unloaded_ttft_p99_ms=22.0, capacity_rps=4.0, sweep=[],
         target_ms=TARGET_MS, modes=[fixed, target], best_fixed="shipped",
     )  # fmt: skip
@@ -157,7 +158,7 @@ def _results(run: PhasedRun) -> SloResults:
 
 def test_shedding_everything_while_slow_misses_every_goal_it_touches() -> None:
     res = _results(_phased(True))
-    target = res.mode("target")
+    target = res.mode("target alone")
     assert target is not None
     (phase,) = target.phases
     # Judged windows from 10 s: 10-15 within, 15-30 nothing admitted, 30-40 within.
@@ -172,13 +173,13 @@ def test_shedding_everything_while_slow_misses_every_goal_it_touches() -> None:
 
 def test_a_target_that_held_through_the_slowdown_is_not_tested_for_recovery() -> None:
     res = _results(_phased(False))
-    target = res.mode("target")
+    target = res.mode("target alone")
     assert target is not None and target.recovery_s == NOT_LEFT
     recovered = [v for v in goals(res) if v.name.startswith("after the slowdown")]
     assert [v.met for v in recovered] == [None]
     md = slo_markdown(res)
     assert "never left the target: nothing to recover: not tested" in md
-    assert "- target: not left" in md and "0.0 s" not in md
+    assert "- target alone: not left" in md and "0.0 s" not in md
 
 
 # --- recovery after overload ------------------------------------------------------------------
