@@ -9,17 +9,25 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import Callable
 
 from aiohttp import web
 
 from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
 from extproc.admin.state import RuntimeState, StateFileError
+from extproc.background import (
+    CURVE_REFUSALS,
+    H2_KEEPALIVE,
+    REPLICA_PUBLISHER,
+    SWEEPER,
+    Guard,
+    run_every,
+)
+from extproc.background import TASKS as BACKGROUND_TASKS
 from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, ClassTable
-from extproc.core.latency import LatencyControl
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.peers import PeerEstimates
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import MAX_FALLBACKS, Scheduler
@@ -97,37 +105,15 @@ def replica_id(settings: Settings) -> str:
     return settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-# The background tasks the service runs, each a step repeated on a period.
-SWEEPER = "sweeper"
-LATENCY_CONTROLLER = "latency_controller"
-BACKGROUND_TASKS = (SWEEPER, LATENCY_CONTROLLER)
-
-
-async def run_every(name: str, interval: float, step: Callable[[], None], metrics: Metrics) -> None:
-    """Run ``step`` every ``interval`` seconds until cancelled. A step that raises is
-    counted in extproc_background_errors_total{task=name}, the first failure is logged with
-    its traceback, and the next step runs on time: one bad step never stops the task."""
-    failures = metrics.background_errors.labels(name)
-    logged = False
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            step()
-        except Exception:
-            failures.inc()
-            if not logged:
-                logged = True
-                log.exception(
-                    "background task %s failed; it keeps running (later failures are counted "
-                    "in extproc_background_errors_total, not logged)",
-                    name,
-                )
-
-
-def _sweep(pool: WorkerPool, peers: PeerEstimates | None) -> None:
-    """Remove the workers and replicas silent past their TTL."""
+def _sweep(
+    pool: WorkerPool, peers: PeerEstimates | None, admission: DeadlineAdmission | None = None
+) -> None:
+    """Remove the workers and replicas silent past their TTL, and the estimates of the
+    workers that left (by TTL or ``bye``)."""
     for worker_id in pool.expire():
         log.info("worker %s removed: silent for more than %.1fs", worker_id, pool.worker_ttl)
+    if admission is not None:
+        admission.prune()
     if peers is not None:
         for rid in peers.expire():
             log.info("replica %s dropped: silent for more than %.1fs", rid, peers.ttl)
@@ -146,26 +132,6 @@ def _health_status(readiness: Readiness) -> StatusOf:
         return None
 
     return status_of
-
-
-# The latency controller's period: one move per second at most, each judged on the
-# samples of the requests dispatched since the previous one (docs/latency-target.md).
-LATENCY_TICK_SECONDS = 1.0
-
-
-def _control_latency(control: LatencyControl) -> None:
-    """Move the limits of the workers of models with a latency target; one log line per
-    change of direction of a worker's limit, not per step."""
-    for turn in control.tick():
-        log.info(
-            "latency limit of worker %s (%s%s) now %s: x%.2f of its thresholds; %s",
-            turn.worker_id,
-            turn.model,
-            f", class {turn.request_class}" if turn.request_class else "",
-            "falling" if turn.direction < 0 else "rising",
-            turn.scale,
-            turn.reason,
-        )
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -194,8 +160,6 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         if settings.router_queue_threshold is not None
         else None
     )
-    if queue is not None:
-        pool.on_capacity = queue.notify
     metrics = Metrics()
     for task in BACKGROUND_TASKS:
         metrics.background_errors.labels(task)  # 0 from the start
@@ -205,8 +169,10 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     classes = ClassRegistry(
         load_class_table(settings.classes_file) if settings.classes_file else ClassTable(), pool
     )
-    latency = LatencyControl(pool, classes=classes, source=settings.ttft_source)
-    metrics.watch_latency(latency)
+    # Deadline admission: its estimates are fed from where the measurements are taken (load
+    # reports here, the request's life in handlers/inflight.py).
+    admission = DeadlineAdmission(pool, classes)
+    metrics.watch_admission(admission)
     if settings.state_file:
         state = RuntimeState(settings.state_file, pool, classes)
         try:
@@ -218,7 +184,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         state.watch()
     auth = AdminAuth.from_settings(settings.admin_host, settings.admin_token)
     runner = web.AppRunner(
-        build_app(pool, metrics, readiness, auth, classes, latency), access_log=None
+        build_app(pool, metrics, readiness, auth, classes, admission), access_log=None
     )
     await runner.setup()
     parts.push_async_callback(runner.cleanup)
@@ -240,6 +206,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
             settings.event_curve_secret_key,
             settings.event_curve_publishers,
             lambda reason: metrics.refused[reason].inc(),
+            guard=Guard(CURVE_REFUSALS, metrics.background_errors),
         )
         # Replicas share the server key pair; each publishes to the others as a client.
         public, secret = load_key_pair(settings.event_curve_secret_key)
@@ -252,9 +219,8 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     except EventBindError as exc:
         raise StartupError(1, str(exc)) from None
     parts.callback(subscriber.close)
-    # Measurements reach the latency controller from where they are taken; the pool only
-    # receives the limits it sets.
-    subscriber.on_engine_ttft = latency.observe_engine
+    # The engine's own TTFT buckets go to deadline admission's diagnostics.
+    subscriber.on_engine_ttft = admission.engine_ttft
     # Endpoints announced by host name are looked up off the request path, so that a host
     # Envoy names by its address (the served host) matches them.
     resolver = EndpointResolver(pool)
@@ -269,6 +235,7 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
             curve=curve_client,
             on_sent=lambda topic: metrics.replica_topic[topic].inc(),
             classes=classes,
+            guard=Guard(REPLICA_PUBLISHER, metrics.background_errors),
         )
         await replicas.start()
         parts.push_async_callback(replicas.close)
@@ -292,9 +259,15 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         tokenizer=tokenizer,
         classes=classes,
         protocol=settings.protocol,
-        latency=latency,
+        admission=admission,
         body_budget=BodyBudget(settings.request_body_budget_mib * MIB),
     )
+    # Where a slot may free or a measurement arrives, the handler hears of it: the router
+    # queue and the held requests are woken, deadline admission's estimates fed.
+    pool.on_capacity = handler.capacity_changed
+    pool.on_load = handler.load_reported
+    classes.listeners.append(handler.classes_changed)
+    parts.callback(handler.close)
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if settings.startup_grace > 0:
         # A restarted extproc knows no worker until each publisher reconnects and sends its
@@ -322,7 +295,12 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     if settings.grpc_server == "grpcio":
         server = GrpcioServer(PROCESS_PATH, handler.open_session, health)
     else:
-        server = GrpcServer(PROCESS_PATH, handler.open_session, methods=health_methods(health))
+        server = GrpcServer(
+            PROCESS_PATH,
+            handler.open_session,
+            methods=health_methods(health),
+            keepalive_guard=Guard(H2_KEEPALIVE, metrics.background_errors),
+        )
     try:
         await server.start(settings.grpc_host, settings.grpc_port)
     except (OSError, RuntimeError) as exc:
@@ -335,20 +313,17 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
     parts.callback(setattr, readiness, "grpc_serving", False)
     interval = min(0.5, settings.worker_ttl / 10, settings.replica_ttl / 4)
     sweeper = asyncio.create_task(
-        run_every(SWEEPER, interval, lambda: _sweep(pool, peers), metrics), name=SWEEPER
+        run_every(
+            SWEEPER, interval, lambda: _sweep(pool, peers, admission), metrics.background_errors
+        ),
+        name=SWEEPER,
     )
     parts.callback(sweeper.cancel)
-    controller = asyncio.create_task(
-        run_every(
-            LATENCY_CONTROLLER, LATENCY_TICK_SECONDS, lambda: _control_latency(latency), metrics
-        ),
-        name=LATENCY_CONTROLLER,
-    )
-    parts.callback(controller.cancel)
     log.info(
         "serving ext_proc on %s (%s server), %s protocol, admin on http://%s:%s, events on %s; "
-        "router mode %s; thresholds decode=%s prefill=%s prefill_frac=%s; latency target "
-        "ttft=%s itl=%s ms (%s-measured); overload status %s; worker busy statuses %s; "
+        "router mode %s; thresholds decode=%s prefill=%s prefill_frac=%s; TTFT target "
+        "%s ms (deadline admission; itl target %s ms shown only); overload status %s; "
+        "worker busy statuses %s; "
         "replica %s%s",
         address,
         settings.grpc_server,
@@ -362,7 +337,6 @@ async def _run(settings: Settings, stop: asyncio.Event, parts: contextlib.AsyncE
         settings.active_prefill_tokens_threshold_frac,
         settings.ttft_p99_target_ms,
         settings.itl_p99_target_ms,
-        settings.ttft_source,
         settings.overload_status,
         ",".join(map(str, settings.worker_busy_statuses)) or "off",
         pool.replica.replica_id,

@@ -1,5 +1,7 @@
 """The service's background tasks survive a failing step: each failure is counted, the first
-is logged with its traceback, and the task goes on running on its period."""
+is logged with its traceback, and the task goes on running on its period. Every task runs in
+the real service (replica sharing, CURVE, the builtin HTTP/2 server with a connection open)
+with a failure injected into its step."""
 
 from __future__ import annotations
 
@@ -8,16 +10,33 @@ import logging
 import socket
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import service
-from extproc.core.latency import LatencyControl
+from extproc.admin import status
+from extproc.admin.status import DecisionHistory
+from extproc.background import (
+    CURVE_REFUSALS,
+    H2_KEEPALIVE,
+    REPLICA_PUBLISHER,
+    STATUS_HISTORY,
+    SWEEPER,
+    Guard,
+)
 from extproc.core.pool import WorkerPool
-from extproc.service import BACKGROUND_TASKS, LATENCY_CONTROLLER, SWEEPER
+from extproc.events.curve import CurveServer
+from extproc.events.keys import main as keys_main
+from extproc.events.publisher import EventPublisher
+from extproc.events.replica import ReplicaPublisher
+from extproc.events.schema import ConfigEvent
+from extproc.service import BACKGROUND_TASKS
 from extproc.settings import load_settings
+from extproc.transport.h2.connection import H2Connection
+from extproc.transport.h2server import GrpcServer
 
 FAILURES = 3  # the first calls of each step that raise
 
@@ -41,13 +60,39 @@ def _errors(admin: str) -> dict[str, float]:
 
 
 def _failing_first(calls: dict[str, int], task: str, real: Callable[..., Any]) -> Any:
-    def step(self: Any) -> Any:
+    def step(self: Any, *args: Any) -> Any:
         calls[task] += 1
         if calls[task] <= FAILURES:
             raise RuntimeError(f"injected failure {calls[task]} of {task}")
-        return real(self)
+        return real(self, *args)
 
     return step
+
+
+def _refused(admin: str) -> float:
+    with urllib.request.urlopen(admin + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "extproc_events_refused"
+        for s in family.samples
+        if s.name.endswith("_total")
+    )
+
+
+def _keys(tmp: Path) -> tuple[Path, Path]:
+    """The extproc's CURVE secret key file and a directory admitting one other publisher."""
+    for name in ("extproc", "admitted"):
+        assert keys_main([str(tmp / "keys"), name]) == 0
+    publishers = tmp / "publishers"
+    publishers.mkdir()
+    (publishers / "admitted.key").write_bytes((tmp / "keys" / "admitted.key").read_bytes())
+    return tmp / "keys" / "extproc.key_secret", publishers
+
+
+# A gRPC client's first bytes: the HTTP/2 preface and an empty SETTINGS frame.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -59,22 +104,42 @@ async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 async def test_each_background_task_counts_logs_once_and_keeps_running(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     calls = dict.fromkeys(BACKGROUND_TASKS, 0)
-    monkeypatch.setattr(WorkerPool, "expire", _failing_first(calls, SWEEPER, WorkerPool.expire))
-    monkeypatch.setattr(
-        LatencyControl, "tick", _failing_first(calls, LATENCY_CONTROLLER, LatencyControl.tick)
-    )
-    monkeypatch.setattr(service, "LATENCY_TICK_SECONDS", 0.05)
-    admin_port = _free_port()
+    steps: dict[str, tuple[Any, str]] = {
+        SWEEPER: (WorkerPool, "expire"),
+        REPLICA_PUBLISHER: (ReplicaPublisher, "_send_all"),
+        CURVE_REFUSALS: (CurveServer, "_count_refusal"),
+        STATUS_HISTORY: (DecisionHistory, "sample"),
+        H2_KEEPALIVE: (H2Connection, "_keepalive_tick"),
+    }
+    assert set(steps) == set(BACKGROUND_TASKS)
+    for task, (owner, name) in steps.items():
+        monkeypatch.setattr(owner, name, _failing_first(calls, task, getattr(owner, name)))
+    # The status history and the HTTP/2 keepalive check run every 0.05 s, not every 1 s / 5 s.
+    monkeypatch.setattr(status, "SAMPLE_SECONDS", 0.05)
+    server_init = GrpcServer.__init__
+
+    def fast_keepalive(self: GrpcServer, *args: Any, **kwargs: Any) -> None:
+        server_init(self, *args, **kwargs)
+        self.keepalive_check = 0.05
+
+    monkeypatch.setattr(GrpcServer, "__init__", fast_keepalive)
+    secret, publishers = _keys(tmp_path)
+    admin_port, grpc_port = _free_port(), _free_port()
+    events = f"tcp://127.0.0.1:{_free_port()}"
     settings = load_settings(
         [
-            "--grpc-port", str(_free_port()),
+            "--grpc-port", str(grpc_port),
             "--admin-port", str(admin_port),
-            "--event-bind", f"tcp://127.0.0.1:{_free_port()}",
+            "--event-bind", events,
             "--startup-grace", "0",
             "--worker-ttl", "0.5",  # the sweeper runs every 0.05 s
+            "--replica-publish", f"tcp://127.0.0.1:{_free_port()}",  # a peer yet to start
+            "--replica-interval", "0.05",
+            "--event-curve-secret-key", str(secret),
+            "--event-curve-publishers", str(publishers),
         ],
         {},
     )  # fmt: skip
@@ -82,21 +147,43 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
     stop = asyncio.Event()
     caplog.set_level(logging.ERROR, logger="extproc")
     served = asyncio.create_task(service.serve(settings, stop))
+    # A publisher without CURVE: refused at every (re)connection, each one a monitor event.
+    intruder = EventPublisher(
+        events,
+        ConfigEvent(worker_id="intruder", model="m", endpoint=f"127.0.0.1:{_free_port()}"),
+        reconnect_ivl=0.05,
+        reconnect_ivl_max=0.05,
+    )
+    envoy: socket.socket | None = None
     try:
-        # One series per task from the start (the tasks start last, once all is served).
-        await _until(lambda: served.done() or any(calls.values()), 10, "the tasks to start")
+        # One series per task, at 0, before any has failed.
+        await _until(lambda: served.done() or calls[SWEEPER] > 0, 10, "the sweeper to start")
+        assert not served.done()
         errors = await asyncio.to_thread(_errors, admin)
         assert set(errors) == set(BACKGROUND_TASKS), errors
+        assert errors[CURVE_REFUSALS] == errors[H2_KEEPALIVE] == 0.0, errors
+        # A connection for the keepalive check to watch, a publisher for CURVE to refuse.
+        envoy = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", grpc_port), 5)
+        envoy.sendall(H2_PREFACE)
+        await intruder.start()
         # Each task fails FAILURES times, then runs on: its step is called again after.
-        await _until(
-            lambda: all(n >= FAILURES + 3 for n in calls.values()) or served.done(),
-            15,
-            "every task to run past its failures",
-        )
+        try:
+            await _until(
+                lambda: all(n >= FAILURES + 3 for n in calls.values()) or served.done(),
+                15,
+                "every task to run past its failures",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; steps run: {calls}") from None
         assert not served.done()
         errors = await asyncio.to_thread(_errors, admin)
         assert errors == dict.fromkeys(BACKGROUND_TASKS, float(FAILURES)), errors
+        # The refusals after the failures were counted: the watch really went on.
+        assert await asyncio.to_thread(_refused, admin) >= 3
     finally:
+        await intruder.close()
+        if envoy is not None:
+            envoy.close()
         stop.set()
         assert await asyncio.wait_for(served, 10) == 0
     for task in BACKGROUND_TASKS:
@@ -108,3 +195,9 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         assert len(logged) == 1, [r.getMessage() for r in logged]
         assert logged[0].exc_info is not None
         assert f"injected failure 1 of {task}" in str(logged[0].exc_info[1])
+
+
+def test_a_task_name_outside_the_documented_set_is_refused() -> None:
+    """The ``task`` label takes only the documented values: a typo cannot add a series."""
+    with pytest.raises(ValueError, match="'sweep' is not one of sweeper, "):
+        Guard("sweep")

@@ -14,7 +14,7 @@ from extproc.admin.series import StatusCollector
 from extproc.admin.status import add_routes as add_status_routes
 from extproc.admin.thresholds import add_routes as add_threshold_routes
 from extproc.core.classes import ClassRegistry
-from extproc.core.latency import LatencyControl
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import Metrics
 
@@ -38,7 +38,7 @@ def build_app(
     readiness: Readiness,
     auth: AdminAuth | None = None,
     classes: ClassRegistry | None = None,
-    latency: LatencyControl | None = None,
+    latency: DeadlineAdmission | None = None,
 ) -> web.Application:
     app = web.Application(middlewares=[auth_middleware(auth or AdminAuth())])
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from extproc.core.busy import DECODE, PREFILL, PREFILL_FRAC, THRESHOLD_NAMES, RankLimits
-from extproc.core.latency import LatencyControl
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.worker import Rank, Worker
 from extproc.metrics.registry import UNOBSERVED_OUTPUT_FIX, Metrics
@@ -65,14 +65,16 @@ def _limits(limits: RankLimits) -> dict[str, int | None]:
 
 
 def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str, Any]:
-    """One rank; while the latency controller scales its limits, ``ceiling_limits`` are the
-    unscaled ones (in force while nothing is in flight on the rank)."""
+    """One rank: what it reported (load and queue), the router's estimate, the limits."""
     view = {
         "dp_rank": rank.index,
         "reported": {
             "active_decode_blocks": rank.reported_blocks,
             "active_prefill_tokens": rank.reported_prefill,
             "kv_total_blocks": rank.reported_kv_total,
+            "num_requests_waiting": rank.reported_waiting,
+            "request_active_slots": rank.reported_active_slots,
+            "request_total_slots": rank.reported_total_slots,
             "age_s": _age(now, rank.reported_at),
         },
         "router_estimate": {
@@ -96,8 +98,6 @@ def _rank(pool: WorkerPool, worker: Worker, rank: Rank, now: float) -> dict[str,
         "fired": rank.busy_reason if rank.has_data else None,
         "cannot_fire": _inactive(pool, worker, rank, now),
     }
-    if rank.ceilings is not None:
-        view["ceiling_limits"] = _limits(rank.ceilings[0])
     return view
 
 
@@ -120,10 +120,11 @@ def worker_view(
     worker: Worker,
     now: float,
     class_names: list[str] | None = None,
-    latency: LatencyControl | None = None,
+    latency: DeadlineAdmission | None = None,
 ) -> dict[str, Any]:
-    """One worker; with a latency target on its model, ``latency_control`` says the
-    multiplier on its thresholds (``limit``), why, and whether the target is unreachable."""
+    """One worker; ``deadline``: deadline admission's prediction for it (the predicted
+    wait, prefill cost, completion rate, held requests, the inputs it goes without, and
+    whether its model's TTFT target is unreachable on it)."""
     ranks = [_rank(pool, worker, r, now) for r in worker.ranks]
     state = worker.state(now) if worker.configured else "not_routable"
     if state == "busy":
@@ -163,14 +164,30 @@ def worker_view(
         "classes": _by_class(worker, class_names or []),
         "ranks": ranks,
     }
-    control = latency.view(worker) if latency is not None and worker.model else None
-    if control is not None:
-        view["latency_control"] = control
-        if state == "busy" and worker.latency_scale < 1.0:
-            view["why"] = f"{why} (limits at x{worker.latency_scale:g} of the thresholds: " + (
-                f"{control['why']})"
-            )
+    if latency is not None and worker.model:
+        view["deadline"] = latency.view(worker)
     return view
+
+
+def models_view(pool: WorkerPool, latency: DeadlineAdmission | None) -> dict[str, Any]:
+    """Per model: its TTFT target (null: none), the requests held for a slot, and of the
+    admitted streamed requests with a target, how many met it and the share."""
+    out: dict[str, Any] = {}
+    for model in pool.models():
+        target = latency.target_s(model) if latency is not None else None
+        entry: dict[str, Any] = {
+            "ttft_p99_target_ms": None if target is None else round(target * 1000, 3)
+        }
+        if latency is not None:
+            q = latency.held.get(model)
+            met = latency.met.get(model)
+            entry["held_requests"] = len(q) if q else 0
+            entry["admitted_met_target"] = met.met if met else 0
+            entry["admitted_missed_target"] = met.missed if met else 0
+            share = met.share if met else None
+            entry["target_met_share"] = None if share is None else round(share, 4)
+        out[model] = entry
+    return out
 
 
 def output_tracking(pool: WorkerPool, metrics: Metrics | None) -> dict[str, Any]:
@@ -203,7 +220,7 @@ def workers_view(
     pool: WorkerPool,
     class_names: list[str] | None = None,
     metrics: Metrics | None = None,
-    latency: LatencyControl | None = None,
+    latency: DeadlineAdmission | None = None,
 ) -> dict[str, Any]:
     """``class_names``: a label per class variant, when request classes are configured."""
     now = pool.clock()
@@ -213,5 +230,6 @@ def workers_view(
         "output_tracking": output_tracking(pool, metrics),
         "worker_ttl_s": pool.worker_ttl,
         "counts": pool.counts(),
+        "models": models_view(pool, latency),
         "workers": [worker_view(pool, w, now, class_names, latency) for w in pool.workers.values()],
     }

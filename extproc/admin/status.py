@@ -24,12 +24,14 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from extproc.admin.diagnostics import STALE_LOAD_SECONDS, output_tracking, worker_view
-from extproc.core.latency import LatencyControl
+from extproc.background import STATUS_HISTORY, Guard
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.metrics.registry import DECISION_OUTCOMES, Metrics
 from extproc.openai.errors import overload_status_from_env
 
 HISTORY_SECONDS = 300
+SAMPLE_SECONDS = 1.0  # the history's period
 PAGE = "status.html"
 
 
@@ -79,11 +81,13 @@ class DecisionHistory:
         self._last = totals
         self._last_rejected = rejected
 
-    async def run(self, period: float = 1.0) -> None:
+    async def run(self, guard: Guard, period: float = SAMPLE_SECONDS) -> None:
+        """Sample every ``period`` seconds until cancelled; a failed sample is counted by
+        ``guard`` and the next one is taken on time."""
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            self.sample()
+            guard.call(self.sample)
             next_at += period
             await asyncio.sleep(max(0.0, next_at - loop.time()))
 
@@ -106,9 +110,9 @@ def _display_state(worker: dict[str, Any], stale_after: float) -> tuple[str, str
     return state, why
 
 
-def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict[str, Any]]:
-    """Per model with a latency target: the target, the measured p99, the mean multiplier
-    and the workers whose target is unreachable (at the floor, or not by their limit)."""
+def _latency(pool: WorkerPool, latency: DeadlineAdmission | None) -> dict[str, dict[str, Any]]:
+    """Per model with a TTFT target: the target, its held requests, the share of admitted
+    requests that met it, and the workers on which it is unreachable."""
     if latency is None:
         return {}
     out: dict[str, dict[str, Any]] = {}
@@ -116,14 +120,12 @@ def _latency(pool: WorkerPool, latency: LatencyControl | None) -> dict[str, dict
         model = m.model
         th = pool.thresholds_for(model)
         unreachable = [w.worker_id for w in pool.by_model.get(model, ()) if latency.unreachable(w)]
+        share = m.met.share
         out[model] = {
             "ttft_p99_target_ms": th.ttft_p99_target_ms,
             "itl_p99_target_ms": th.itl_p99_target_ms,
-            "ttft_p99_ms": None if m.ttft_p99 is None else round(m.ttft_p99 * 1000, 1),
-            "engine_ttft_p99_ms": None
-            if m.engine_ttft_p99 is None
-            else round(m.engine_ttft_p99 * 1000, 1),
-            "limit": round(m.limit, 4),
+            "held_requests": m.held,
+            "target_met_share": None if share is None else round(share, 4),
             "target_unreachable": unreachable,
         }
     return out
@@ -134,7 +136,7 @@ def status_view(
     metrics: Metrics,
     history: DecisionHistory,
     overload_status: int,
-    latency: LatencyControl | None = None,
+    latency: DeadlineAdmission | None = None,
 ) -> dict[str, Any]:
     now = pool.clock()
     stale_after = min(STALE_LOAD_SECONDS, pool.worker_ttl / 2)
@@ -210,7 +212,7 @@ def add_routes(
     app: web.Application,
     pool: WorkerPool,
     metrics: Metrics,
-    latency: LatencyControl | None = None,
+    latency: DeadlineAdmission | None = None,
 ) -> None:
     """``GET /status``, ``GET /status.json`` and ``GET /`` (redirects to ``/status``)."""
     history = DecisionHistory(metrics)
@@ -235,7 +237,8 @@ def add_routes(
         raise web.HTTPFound("/status")
 
     async def sampler(_: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(history.run())
+        guard = Guard(STATUS_HISTORY, metrics.background_errors)
+        task = asyncio.create_task(history.run(guard, SAMPLE_SECONDS))
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -4,11 +4,13 @@ One :class:`WorkerPool` lists every :class:`~extproc.core.worker.Worker` and is 
 writer of their state. The event plane tells it what workers announce
 (:meth:`~WorkerPool.announce`, :meth:`~WorkerPool.report_load`, :meth:`~WorkerPool.leave`),
 the request path records router estimates (dispatch / first token / move / release), the
-admin API sets thresholds, the latency controller sets its multipliers. After every write the
+admin API sets thresholds. After every write the
 touched worker's busy flags are recomputed, so a routing decision only reads them
 (:meth:`Worker.free_for`). Plain values only: no I/O, no wire structs, and nothing is
-called back but the capacity listener (the router queue); measurements such as an engine's
-own TTFT go from the event plane to the latency controller without passing through here.
+called back but two listeners: capacity (a request ended or reached its first token, a
+worker joined, thresholds changed: the router queue and the held requests) and load (a
+load report applied: deadline admission's measurements). Measurements such as an engine's
+own TTFT go from the event plane to deadline admission without passing through here.
 What this replica shares with the others (its id, the version stamps of threshold changes)
 is in :mod:`extproc.core.replica`.
 """
@@ -24,11 +26,9 @@ from extproc.core.busy import (
     BusyThresholds,
     RankLimits,
     Share,
-    ceiling,
     rank_busy_reason,
     rank_limits,
     scaled_limit,
-    scaled_share,
     worker_busy,
 )
 from extproc.core.replica import Replica, Stamp, Versions
@@ -80,6 +80,9 @@ class WorkerPool:
         # The addresses of endpoints announced by host name, as looked up off the request
         # path (extproc.events.resolver): endpoint -> its ``ip:port`` forms.
         self.resolved: dict[str, frozenset[str]] = {}
+        # Workers known only from a gateway's endpoint subset (extproc.core.subset), by
+        # (address, model): in no index, but their limits follow thresholds and shares.
+        self.unlisted: dict[tuple[str, str], Worker] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.events_lost = 0
         self._duration_ewma: dict[str, float] = {}
@@ -93,9 +96,9 @@ class WorkerPool:
         # Request classes (extproc.core.classes): the default class's share, then the
         # others'. One class with the full share is the behaviour without classes.
         self.shares: list[Share] = [FULL_SHARE]
-        # Some request class has a latency target: a model without thresholds is scaled
-        # from a full worker (busy.ceiling), as with a target of its own.
-        self.class_target = False
+        # Called with a worker after each of its load reports is applied (deadline
+        # admission's measurements, wired in the service).
+        self.on_load: Callable[[Worker], None] | None = None
 
     # ----- reading -----------------------------------------------------------------
 
@@ -191,8 +194,6 @@ class WorkerPool:
         worker.configured = True
         if model not in self.thresholds:
             self.thresholds[model] = self.defaults
-        if not self.thresholds[model].has_target:
-            worker.latency_scale = 1.0
         group = self.by_model.setdefault(model, [])
         if worker not in group:
             group.append(worker)
@@ -210,8 +211,13 @@ class WorkerPool:
         active_prefill_tokens: int | None = None,
         kv_total_blocks: int | None = None,
         seq: int | None = None,
+        num_requests_waiting: int | None = None,
+        request_active_slots: int | None = None,
+        request_total_slots: int | None = None,
     ) -> Worker:
-        """One rank's ActiveLoad; returns the worker. Raises :class:`RankOutOfRange`
+        """One rank's ActiveLoad; returns the worker. The queue fields (requests waiting at
+        the engine, running, and its slots; None: not reported) are stored on the rank for
+        deadline admission; they never change a busy flag. Raises :class:`RankOutOfRange`
         (nothing changed) for a rank at or above the announced ``dp_size``; before any
         announcement it is kept."""
         now = self.clock()
@@ -235,6 +241,9 @@ class WorkerPool:
         kv_changed = rank.reported_kv_total != kv_total_blocks
         rank.reported_kv_total = kv_total_blocks
         rank.reported_at = now
+        rank.reported_waiting = num_requests_waiting
+        rank.reported_active_slots = request_active_slots
+        rank.reported_total_slots = request_total_slots
         worker.last_seen = now
         worker.last_load_at = now
         if now >= worker.unreachable_until:
@@ -242,6 +251,8 @@ class WorkerPool:
         if kv_changed:
             self._rank_all_limits(worker, rank)
         self._refresh_rank(worker, rank)
+        if self.on_load is not None:
+            self.on_load(worker)
         return worker
 
     def set_addresses(self, endpoint: str, addresses: frozenset[str]) -> None:
@@ -310,26 +321,22 @@ class WorkerPool:
         versions.record(model, taken)
         self.thresholds[model] = thresholds
         for worker in self.by_model.get(model, ()):
-            if not thresholds.has_target:
-                worker.latency_scale = 1.0  # no target: the plain thresholds, at once
             self._recompute_limits(worker)
+        for (_, of), worker in self.unlisted.items():
+            if of == model:
+                self._recompute_limits(worker)
         if stamp is None:
             versions.announce(model)
+        if self.on_capacity is not None:  # a raised or removed threshold (or target) frees
+            self.on_capacity(model)
         return True
-
-    def set_class_target(self, on: bool) -> None:
-        """Whether some request class has a latency target; every limit is redone."""
-        if on != self.class_target:
-            self.class_target = on
-            for worker in self.workers.values():
-                self._recompute_limits(worker)
 
     def set_shares(self, shares: list[Share]) -> None:
         """The request classes' shares, the default class first; every flag is redone."""
         if not shares:
             raise ValueError("at least one share (the default class)")
         self.shares = list(shares)
-        for worker in self.workers.values():
+        for worker in (*self.workers.values(), *self.unlisted.values()):
             self._recompute_limits(worker)
 
     def adopt(self, worker: Worker) -> None:
@@ -337,26 +344,9 @@ class WorkerPool:
         a gateway's endpoint subset) from its model's thresholds and the shares."""
         self._recompute_limits(worker)
 
-    def set_latency_scale(
-        self, worker: Worker, scale: float, by_variant: tuple[float, ...] = ()
-    ) -> None:
-        """The latency controller's multiplier on ``worker``'s limits, in (0, 1], and per
-        class variant (``by_variant``: a variant's own, where lower); takes effect for the
-        very next decision. A rank with nothing in flight keeps the unscaled limits
-        (:meth:`Rank.limits_in_force`)."""
-        for value in (scale, *by_variant):
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"latency scale must be in (0, 1], got {value!r}")
-        if all(v >= 1.0 for v in by_variant):
-            by_variant = ()
-        if scale != worker.latency_scale or by_variant != worker.latency_scales:
-            worker.latency_scale = scale
-            worker.latency_scales = by_variant
-            self._recompute_limits(worker)
-
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(
-            ceiling(self.thresholds_for(worker.model), self.class_target),
+            self.thresholds_for(worker.model),
             kv_mode=self.kv_mode,
             kv_total_blocks=worker.kv_total(rank),
             max_num_batched_tokens=worker.max_num_batched_tokens,
@@ -365,27 +355,15 @@ class WorkerPool:
 
     def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
         shares = self.shares
-        scale = worker.latency_scale
-        by_variant = worker.latency_scales
-        if scale == 1.0 and not by_variant:
-            rank.ceilings = None
-            rank.limits = self._limits(worker, rank, shares[0])
-            rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
-            return
-        rank.ceilings = [self._limits(worker, rank, s) for s in shares]
-        scaled = [
-            self._limits(worker, rank, scaled_share(s, min((scale, *by_variant[i : i + 1]))))
-            for i, s in enumerate(shares)
-        ]
-        rank.limits, rank.class_limits = scaled[0], scaled[1:]
+        rank.limits = self._limits(worker, rank, shares[0])
+        rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
 
     def _recompute_limits(self, worker: Worker) -> None:
         for rank in worker.ranks:
             self._rank_all_limits(worker, rank)
-            limits, class_limits = rank.limits_in_force()
             d, p = rank.decode_blocks, rank.prefill_tokens
-            rank.busy_reason = rank_busy_reason(limits, d, p)
-            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in class_limits]
+            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
         self._refresh_worker(worker)
 
     def refresh_rank(self, worker: Worker, rank: Rank) -> None:
@@ -394,14 +372,12 @@ class WorkerPool:
 
     def _refresh_rank(self, worker: Worker, rank: Rank) -> None:
         if rank.class_limits:
-            limits, class_limits = rank.limits_in_force()
             d, p = rank.decode_blocks, rank.prefill_tokens
-            rank.busy_reason = rank_busy_reason(limits, d, p)
-            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in class_limits]
+            rank.busy_reason = rank_busy_reason(rank.limits, d, p)
+            rank.class_reasons = [rank_busy_reason(lim, d, p) for lim in rank.class_limits]
             self._refresh_worker(worker)
             return
-        limits = rank.limits if rank.ceilings is None else rank.limits_in_force()[0]
-        reason = rank_busy_reason(limits, rank.decode_blocks, rank.prefill_tokens)
+        reason = rank_busy_reason(rank.limits, rank.decode_blocks, rank.prefill_tokens)
         rank.busy_reason = reason
         if len(worker.ranks) == 1:
             # The common case, once per load event. A rank without data has no load to

@@ -24,7 +24,6 @@ class Rank:
 
     __slots__ = (
         "busy_reason",
-        "ceilings",
         "class_limits",
         "class_reasons",
         "est_blocks",
@@ -35,10 +34,13 @@ class Rank:
         "peer_blocks",
         "peer_inflight",
         "peer_prefill",
+        "reported_active_slots",
         "reported_at",
         "reported_blocks",
         "reported_kv_total",
         "reported_prefill",
+        "reported_total_slots",
+        "reported_waiting",
     )
 
     def __init__(self, index: int) -> None:
@@ -47,6 +49,11 @@ class Rank:
         self.reported_prefill: int | None = None
         self.reported_kv_total: int | None = None
         self.reported_at: float | None = None
+        # The engine's queue on this rank (None: not reported): requests waiting, running,
+        # and the most it runs at once. They feed deadline admission, never the busy rules.
+        self.reported_waiting: int | None = None
+        self.reported_active_slots: int | None = None
+        self.reported_total_slots: int | None = None
         self.est_blocks = 0
         self.est_prefill = 0
         self.inflight = 0
@@ -59,17 +66,6 @@ class Rank:
         # The other request classes' limits and reasons (class 0, the default, is above).
         self.class_limits: list[RankLimits] = []
         self.class_reasons: list[str | None] = []
-        # While the latency controller scales the worker's limits down: the unscaled
-        # limits per class variant, which apply while nothing is in flight on the rank
-        # (the controller never makes an idle rank busy). None: not scaled.
-        self.ceilings: list[RankLimits] | None = None
-
-    def limits_in_force(self) -> tuple[RankLimits, list[RankLimits]]:
-        """The default class's limits and the other classes' that decide now."""
-        ceilings = self.ceilings
-        if ceilings is None or self.inflight or self.peer_inflight:
-            return self.limits, self.class_limits
-        return ceilings[0], ceilings[1:]
 
     def reason_for(self, variant: int) -> str | None:
         """The check that fires for class variant ``variant`` (an index of the pool's
@@ -116,8 +112,6 @@ class Worker:
         "last_load_at",
         "last_seen",
         "last_seq",
-        "latency_scale",
-        "latency_scales",
         "max_num_batched_tokens",
         "model",
         "overloaded_until",
@@ -150,10 +144,6 @@ class Worker:
         self.busy_by_class: list[bool] = []
         # floor(--router-queue-threshold x max_num_batched_tokens), None = never queue.
         self.queue_limit: int | None = None
-        # The latency controller's multiplier on every limit (1 = the configured ones),
-        # and per class variant where class targets set a lower one (empty: none).
-        self.latency_scale = 1.0
-        self.latency_scales: tuple[float, ...] = ()
         # The ``ip:port`` forms of an endpoint announced by host name, once looked up
         # (Envoy names a served host by its address); empty for an IP endpoint.
         self.addresses: frozenset[str] = frozenset()

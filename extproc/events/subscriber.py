@@ -82,6 +82,9 @@ def apply_event(
                 active_prefill_tokens=event.active_prefill_tokens,
                 kv_total_blocks=event.kv_total_blocks,
                 seq=event.seq,
+                num_requests_waiting=event.num_requests_waiting,
+                request_active_slots=event.request_active_slots,
+                request_total_slots=event.request_total_slots,
             )
             if event.ttft_seconds and engine_ttft is not None and worker.configured:
                 engine_ttft(worker, event.ttft_seconds)

@@ -9,10 +9,11 @@ told what the response does, already read from the ext_proc messages:
   served host differs from the pick), the estimate follows it;
 - its body chunks (:meth:`InFlight.response_body`), from the routing stream or from the
   observability filter's stream, whichever delivers one first: generated tokens are counted
-  into the pool's estimate, and for a model with a latency target the time to first token
-  and the mean inter-token gap go to the latency controller;
+  into the pool's estimate; the first body byte of a streamed response is its first token,
+  which deadline admission learns from (and, with a TTFT target, counts as met or not);
 - its end (:meth:`InFlight.response_over`, :meth:`InFlight.end`): the estimate is released,
-  whatever ended the stream.
+  whatever ended the stream, and deadline admission told (before the release, whose
+  capacity listener may dispatch a held request into the freed slot).
 
 Each request keeps three timestamps of the pool's clock, per worker that served it:
 ``dispatched_at`` (the decision), ``first_byte_at`` (the first response body byte, from
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 
 from extproc.core.classes import RequestClass
-from extproc.core.latency import LatencyControl
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import Routed
 from extproc.core.worker import Ticket
@@ -45,8 +47,8 @@ OBSERVER_STREAM = 2
 
 class InFlightTable:
     """Every routed request of this process whose stream is open, and what they share:
-    the pool their estimates live in, the latency controller their timings feed, the
-    replies and metrics of a response that turns into a local reply."""
+    the pool their estimates live in, deadline admission whose estimates their timings
+    feed, the replies and metrics of a response that turns into a local reply."""
 
     def __init__(
         self,
@@ -54,13 +56,13 @@ class InFlightTable:
         metrics: Metrics,
         replies: Replies,
         busy_statuses: frozenset[int],
-        latency: LatencyControl | None = None,
+        admission: DeadlineAdmission | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.replies = replies
         self.busy_statuses = busy_statuses
-        self.latency = latency
+        self.admission = admission
         # Routed requests by x-request-id, for the observability filter's streams.
         self.live: dict[str, InFlight] = {}
         # Set once an observability-mode stream arrives: output is counted from bodies.
@@ -79,20 +81,31 @@ class InFlightTable:
         stream: bool,
         body_streamed: bool,
         duplex_response: bool,
+        key: Hashable | None = None,
+        arrived: float | None = None,
+        held: float = 0.0,
+        target_s: float | None = None,
     ) -> InFlight:
         """The request was routed: it is in flight from now on, its estimate held by the
-        decision's ticket until :meth:`InFlight.end`."""
-        req = InFlight(self, decision.ticket, decision.fallbacks, model, request_class)
+        decision's ticket until :meth:`InFlight.end`. ``key`` names it to deadline
+        admission (default: the :class:`InFlight`); ``arrived``: when it reached the router
+        (pool clock), ``held`` of that spent held for a slot; ``target_s``: its TTFT target,
+        whose meeting is counted at its first body byte."""
+        ticket = decision.ticket
+        req = InFlight(self, ticket, decision.fallbacks, model, request_class)
         req.endpoint_label = endpoint_label
         req.request_id = request_id
         req.stream = stream
         req.body_streamed = body_streamed
         req.duplex_response = duplex_response
-        latency = self.latency
-        if latency is not None:
-            req.timed = latency.timed(model, req.class_name)
-            if req.timed and stream:  # a first token to wait for: overdue counts
-                latency.dispatched(decision.ticket, req.class_name)
+        req.key = req if key is None else key
+        req.arrived = ticket.started if arrived is None else arrived
+        req.target_s = target_s
+        admission = self.admission
+        if admission is not None:
+            admission.dispatched(
+                req.key, ticket.worker, ticket.prompt_tokens, ticket.started, arrived, held
+            )
         if request_id is not None:
             self.live[request_id] = req
         return req
@@ -123,6 +136,7 @@ class InFlight:
     """One routed request, from its dispatch to the end of its stream."""
 
     __slots__ = (
+        "arrived",
         "body_streamed",
         "class_name",
         "dispatched_at",
@@ -131,9 +145,7 @@ class InFlight:
         "endpoint_label",
         "fallbacks",
         "first_byte_at",
-        "first_token_at",
-        "first_tokens",
-        "last_token_at",
+        "key",
         "model",
         "observed",
         "output_source",
@@ -142,8 +154,8 @@ class InFlight:
         "stream",
         "streaming",
         "table",
+        "target_s",
         "ticket",
-        "timed",
     )
 
     def __init__(
@@ -175,17 +187,16 @@ class InFlight:
         self.output_source = 0
         # A streamed 2xx response began (it was not over at its headers).
         self.streaming = False
-        # The model (or class) has a latency target: the response is timed.
-        self.timed = False
+        # What names it to deadline admission, when it reached the router, and its TTFT
+        # target (None: none), whose meeting is counted at its first body byte.
+        self.key: Hashable = self
+        self.arrived = ticket.started
+        self.target_s: float | None = None
         # The request's timeline on the pool's clock (0.0: not yet): the decision, the
         # first response body byte (either stream), the end of the stream.
         self.dispatched_at = ticket.started
         self.first_byte_at = 0.0
         self.ended_at = 0.0
-        # Token times of a timed streamed response (first chunk, latest chunk).
-        self.first_token_at = 0.0
-        self.first_tokens = 0
-        self.last_token_at = 0.0
 
     # ----- the response ------------------------------------------------------------------
 
@@ -215,22 +226,25 @@ class InFlight:
         if served and not ticket.worker.serves_at(served):
             self._served_elsewhere(served)
         if end_of_stream:
-            self.table.pool.release(ticket)
+            self._release()
         elif self.stream and ok:
             self._output_begins()
         return None
 
     def response_body(self, body: bytes, end_of_stream: bool, source: int) -> None:
         """A response body chunk from ``source`` (ROUTING_STREAM or OBSERVER_STREAM)."""
-        if body and not self.first_byte_at:
+        first = bool(body) and not self.first_byte_at
+        if first:
             self.first_byte_at = self.table.pool.clock()
         self._count_output(body, source)
+        if first and self.stream:
+            self._first_token(self.first_byte_at)
         if end_of_stream and source == ROUTING_STREAM:
-            self.table.pool.release(self.ticket)
+            self._release()
 
     def response_over(self) -> None:
         """The response's trailers: it is over."""
-        self.table.pool.release(self.ticket)
+        self._release()
 
     def end(self) -> None:
         """The routing stream ended, whatever ended it: the estimate is released."""
@@ -240,11 +254,35 @@ class InFlight:
         ):
             table.output_unobserved()
         self.ended_at = table.pool.clock()
-        table.pool.release(self.ticket)
-        if self.last_token_at and table.latency is not None:
-            self._time_itl()
+        self._release()
         if self.request_id is not None:
             table.live.pop(self.request_id, None)
+
+    def _release(self) -> None:
+        """The request is over: deadline admission learns its end, then the pool releases
+        its estimate (idempotent)."""
+        table = self.table
+        ticket = self.ticket
+        if ticket.released:
+            return
+        admission = table.admission
+        if admission is not None:
+            admission.ended(self.key, ticket.worker, table.pool.clock(), ticket.generated)
+        table.pool.release(ticket)
+
+    def _first_token(self, at: float) -> None:
+        """A streamed response's first token reached the router at ``at``: deadline
+        admission learns the worker's prefill from it, and a request with a target counts
+        as having met it or not (measured from its arrival at the router)."""
+        table = self.table
+        admission = table.admission
+        if admission is None or self.ticket.released:
+            return
+        admission.first_byte(self.key, self.ticket.worker, at)
+        target = self.target_s
+        if target is not None:
+            met = admission.ttft_measured(self.model, at - self.arrived, target)
+            table.metrics.ttft_target_met.labels(self.model, "true" if met else "false").inc()
 
     # ----- a response refused, or served elsewhere ------------------------------------
 
@@ -265,6 +303,13 @@ class InFlight:
                 if worker is not None:
                     refused.append(worker)
         served = pool.worker_at(endpoint, model)
+        admission = table.admission
+        if admission is not None:
+            old = ticket.worker
+            now = pool.clock()
+            admission.ended(self.key, old, now)
+            if served is not None:
+                admission.dispatched(self.key, served, ticket.prompt_tokens, now)
         pool.move(ticket, served)
         for worker in refused:
             pool.mark_overloaded(worker)
@@ -278,7 +323,7 @@ class InFlight:
         table = self.table
         worker = self.ticket.worker
         table.pool.mark_unreachable(worker)
-        table.pool.release(self.ticket)
+        self._release()
         table.metrics.worker_unreachable.labels(self.model).inc()
         table.metrics.rejections.labels(self.model, self.endpoint_label or "").inc()
         log.warning(
@@ -299,7 +344,7 @@ class InFlight:
             worker = pool.by_endpoint.get((endpoint, self.model))
             if worker is not None:
                 pool.mark_overloaded(worker)
-        pool.release(self.ticket)
+        self._release()
         table.metrics.rejections.labels(self.model, self.endpoint_label or "").inc()
         return table.replies.overload(1, "worker_overloaded", self.request_class)
 
@@ -311,13 +356,12 @@ class InFlight:
         self.streaming = True
         table = self.table
         ticket = self.ticket
-        if self.timed and table.latency is not None:
-            # Decided on the headers, the request's "stream" was not read; its response
-            # says it now (vLLM, SGLang and the simulated engine answer at once).
-            table.latency.dispatched(ticket, self.class_name)
         if not (table.observed or self.body_streamed or self.duplex_response):
-            if self.timed and ticket.in_prefill:
-                self._time_first_token(0)
+            # No stream delivers its body: its headers are the nearest to a first token
+            # the router sees (deadline admission learns from them; no TTFT is counted).
+            admission = table.admission
+            if admission is not None and ticket.in_prefill:
+                admission.first_byte(self.key, ticket.worker, table.pool.clock())
             table.pool.prefill_done(ticket)
 
     def _count_output(self, body: bytes, source: int) -> None:
@@ -339,32 +383,4 @@ class InFlight:
             usage = usage_tokens(body)
             tokens = 0 if usage is None else usage - ticket.generated
         if tokens > 0:
-            if self.timed and self.stream:
-                self._time_first_token(tokens)
             self.table.pool.generated(ticket, tokens)
-
-    # ----- latency measurement (models with a latency target) ----------------------------
-
-    def _time_first_token(self, tokens: int) -> None:
-        """A streamed response's first generated tokens (``tokens``; 0: its 2xx headers,
-        when no stream delivers its body): the time to first token since the routing
-        decision. Later chunks only mark the time of the latest token."""
-        table = self.table
-        now = table.pool.clock()
-        if self.first_token_at:
-            self.last_token_at = now
-            return
-        self.first_token_at = now
-        self.first_tokens = tokens
-        assert table.latency is not None
-        ticket = self.ticket
-        table.latency.observe_ttft(ticket.worker, now - ticket.started, not tokens, self.class_name)
-
-    def _time_itl(self) -> None:
-        """The mean gap between the tokens after the first chunk, once the response ends."""
-        ticket = self.ticket
-        gaps = ticket.generated - self.first_tokens
-        latency = self.table.latency
-        if gaps > 0 and latency is not None:
-            itl = (self.last_token_at - self.first_token_at) / gaps
-            latency.observe_itl(ticket.worker, itl, self.class_name)

@@ -27,19 +27,24 @@ sent back unchanged as the mode requires.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
-from extproc.core.latency import LatencyControl
+from extproc.core.deadline import Dispatch, Hold, Prediction, Reject
+from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import (
+    MODEL_NOT_FOUND,
+    NO_WORKERS,
+    QUEUED,
     Decision,
     Deferred,
     Outcome,
@@ -48,8 +53,10 @@ from extproc.core.scheduling import (
     Routed,
     Scheduler,
 )
+from extproc.core.worker import Rank, Worker
 from extproc.handlers import replies
 from extproc.handlers.body_budget import DEFAULT_BUDGET_MIB, MIB, BodyBudget
+from extproc.handlers.held import HeldRequests, extension_seconds
 from extproc.handlers.inflight import OBSERVER_STREAM, ROUTING_STREAM, InFlight, InFlightTable
 from extproc.handlers.router_queue import RouterQueue
 from extproc.handlers.subset_hint import SubsetHints
@@ -111,11 +118,13 @@ class _Stream:
     request's life is its ``routed``."""
 
     __slots__ = (
+        "arrived",
         "body_streamed",
         "duplex_body",
         "duplex_request",
         "duplex_response",
         "endpoint_label",
+        "held_since",
         "model",
         "phase",
         "prompt_tokens",
@@ -124,6 +133,7 @@ class _Stream:
         "routed",
         "stream",
         "subset",
+        "target_s",
         "variant",
     )
 
@@ -150,6 +160,11 @@ class _Stream:
         self.variant = 0
         # The routed request, from its dispatch to the end of this stream.
         self.routed: InFlight | None = None
+        # Deadline admission: when the request reached the router (pool clock), its TTFT
+        # target (None: none), and when it was held for a slot (None: never).
+        self.arrived = 0.0
+        self.target_s: float | None = None
+        self.held_since: float | None = None
 
 
 class ExtProcHandler:
@@ -167,7 +182,7 @@ class ExtProcHandler:
         tokenizer: PromptTokenizer | None = None,
         classes: ClassRegistry | None = None,
         protocol: str = "envoy",
-        latency: LatencyControl | None = None,
+        admission: DeadlineAdmission | None = None,
         clock: Callable[[], float] = time.perf_counter,
         body_budget: BodyBudget | None = None,
     ) -> None:
@@ -187,7 +202,16 @@ class ExtProcHandler:
         self.subset_hints = SubsetHints() if protocol == "epp" else None
         # Every routed request from its dispatch to its stream's end.
         self.inflight = InFlightTable(
-            pool, metrics, self.replies, frozenset(worker_busy_statuses), latency
+            pool, metrics, self.replies, frozenset(worker_busy_statuses), admission
+        )
+        # Deadline admission (models and classes with a TTFT target) and its held requests.
+        self.admission = admission
+        self.held = (
+            HeldRequests(
+                pool, admission, metrics, self._route_held, self._deadline_held, self._plain_held
+            )
+            if admission is not None
+            else None
         )
         # While a request waits in the router queue Envoy must not time the message out.
         self._extend_timeout = replies.extend_timeout(
@@ -201,6 +225,33 @@ class ExtProcHandler:
 
     def _on_classes(self, table: ClassTable) -> None:
         self._classes = table if table.enabled else None
+
+    # ----- the pool's listeners (wired by the service) ---------------------------------
+
+    def capacity_changed(self, model: str) -> None:
+        """A slot may have freed for ``model`` (a stream ended, a worker joined, a
+        threshold or target changed): wake the router queue, pump the held requests."""
+        if self.queue is not None:
+            self.queue.notify(model)
+        if self.held is not None:
+            self.held.pump(model)
+
+    def load_reported(self, worker: Worker) -> None:
+        """A load report was applied: the worker's estimate learns its queue fields, then
+        its model's held requests may go."""
+        if self.admission is not None:
+            self.admission.load(worker)
+        if self.held is not None:
+            self.held.pump(worker.model)
+
+    def classes_changed(self, _table: ClassTable) -> None:
+        """A class's target may have changed: every held request is decided again."""
+        if self.held is not None:
+            self.held.pump_all()
+
+    def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
 
     def open_session(self, metadata: Mapping[str, str]) -> RequestSession | ObserverSession:
         """A session for one ext_proc stream, from its gRPC metadata."""
@@ -249,6 +300,8 @@ class ExtProcHandler:
 
     def _on_stream_end(self, st: _Stream) -> None:
         self.body_budget.release(st)  # a body still being gathered (the client went away)
+        if self.held is not None and st.held_since is not None:
+            self.held.drop(st)  # held for a slot: the client went away
         if st.routed is not None:
             st.routed.end()
 
@@ -286,6 +339,7 @@ class ExtProcHandler:
                 return self.replies.models(tuple(self.pool.models()))
             return replies.PASSTHROUGH
         st.endpoint_label = label
+        st.arrived = self.pool.clock()
         if table is not None:
             if not table.trusts(marker):
                 class_name = None  # the marker is required and absent: the header is ignored
@@ -462,6 +516,14 @@ class ExtProcHandler:
         st.phase = phase
         if st.request_class is not None and self._classes is not None:
             st.variant = self._classes.variant(st.request_class, prompt_tokens)
+        admission = self.admission
+        if admission is not None and st.subset is None:
+            cls = st.request_class
+            st.target_s = admission.target_s(model, cls.name if cls is not None else "")
+            if st.target_s is not None:
+                deadline_reply = self._decide_by_deadline(st, st.target_s)
+                self.metrics.decision_seconds.observe(self.clock() - started)
+                return deadline_reply
         queue = self.queue
         waiting = queue is not None and queue.waiting(model)
         decision = self.scheduler.decide(
@@ -490,6 +552,112 @@ class ExtProcHandler:
             return self.replies.overload(retry_after, "queue_timeout", st.request_class)
         return self._reply(st, decision)
 
+    # ----- deadline admission (a TTFT target) -------------------------------------------
+
+    def _decide_by_deadline(self, st: _Stream, target_s: float) -> Reply:
+        """Dispatch, hold or reject a request with a TTFT target: the candidates are the
+        workers the thresholds leave free (ceilings); none: the plain overload reply."""
+        assert self.admission is not None and self.held is not None
+        pool = self.pool
+        model = st.model
+        workers = pool.by_model.get(model)
+        if not workers:
+            return self._reply(st, MODEL_NOT_FOUND if pool.by_model else NO_WORKERS)
+        now = pool.clock()
+        variant = st.variant
+        candidates = [w for w in workers if w.free_for(variant, now)]
+        if not candidates:  # every worker busy by the thresholds: today's answer
+            return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
+        decision, preds = self.admission.decide(
+            model, candidates, st.prompt_tokens, target_s, st.arrived, now
+        )
+        best = min((p.ttft for p in preds if p.ttft is not None), default=None)
+        if best is not None:
+            self.metrics.predicted_ttft.labels(model).observe(best)
+        if type(decision) is Dispatch:
+            worker = next(w for w in candidates if w.worker_id == decision.worker)
+            return self._route_to(st, worker, preds)
+        if type(decision) is Hold:
+            cls = st.request_class
+            st.held_since = now
+            future, wait = self.held.hold(
+                st,
+                model,
+                decision,
+                prompt_tokens=st.prompt_tokens,
+                variant=variant,
+                class_name=cls.name if cls is not None else "",
+                arrived=st.arrived,
+            )
+            extension = self.replies.extension(extension_seconds(wait))
+            return extension, self._wait_held(st, future)
+        assert type(decision) is Reject
+        return self._deadline_reply(st, decision)
+
+    def _route_to(
+        self, st: _Stream, worker: Worker, preds: list[Prediction] | None = None
+    ) -> bytes:
+        """Dispatch the request to ``worker`` (picked by its prediction): its least loaded
+        rank that the thresholds leave free; fallbacks are the other free workers, the
+        smallest predicted TTFT first."""
+        variant = st.variant
+        rank = _free_rank(worker, variant)
+        ticket = self.pool.dispatch(worker, rank, st.prompt_tokens)
+        now = self.pool.clock()
+        others = [
+            w
+            for w in self.pool.by_model.get(st.model, ())
+            if w is not worker and w.free_for(variant, now) and w.endpoint != worker.endpoint
+        ]
+        if preds is not None:
+            order = {p.worker: (p.ttft if p.ttft is not None else float("inf")) for p in preds}
+            others.sort(key=lambda w: order.get(w.worker_id, float("inf")))
+        limit = self.scheduler.max_fallbacks
+        fallbacks = tuple(dict.fromkeys(w.endpoint for w in others))[: max(0, limit)]
+        return self._reply(st, Routed(ticket, fallbacks))
+
+    def _deadline_reply(self, st: _Stream, decision: Reject) -> bytes:
+        """The overload reply with ``x-shed-reason: deadline``, counted."""
+        self.metrics.outcome["deadline"].inc()
+        self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
+        self._count_class(st, st.model, "overloaded")
+        return self.replies.deadline(
+            decision.retry_after, decision.retry_after_ms, st.request_class
+        )
+
+    async def _wait_held(self, st: _Stream, future: asyncio.Future[Any]) -> bytes:
+        """Wait for the held request's reply; the router queue's when the plain rule,
+        deciding it after its target was removed, queued it."""
+        assert self.held is not None
+        try:
+            result = await future
+        finally:
+            self.held.drop(st)
+        if isinstance(result, Queued):
+            return await self._wait_in_queue(st)
+        assert isinstance(result, bytes)
+        return result
+
+    def _route_held(self, key: Hashable, worker: Worker) -> bytes:
+        assert isinstance(key, _Stream)
+        return self._route_to(key, worker)
+
+    def _deadline_held(self, key: Hashable, decision: Reject) -> bytes:
+        assert isinstance(key, _Stream)
+        return self._deadline_reply(key, decision)
+
+    def _plain_held(self, key: Hashable) -> bytes | Queued:
+        """A held request whose target was removed: decided by the plain rule now."""
+        assert isinstance(key, _Stream)
+        st = key
+        st.target_s = None
+        queue = self.queue
+        waiting = queue is not None and queue.waiting(st.model)
+        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant, waiting=waiting)
+        if type(decision) is Queued:
+            return QUEUED if queue is not None else self._reply(st, decision)
+        return self._reply(st, decision)
+
     def _attempt(self, st: _Stream) -> Routed | Rejected | None:
         """The head of the queue decides again (it is the one waiting: no FIFO check)."""
         decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant, subset=st.subset)
@@ -499,6 +667,7 @@ class ExtProcHandler:
         """Map a decision to its pre-serialized reply and count it."""
         self.metrics.outcome[decision.outcome.value].inc()
         if type(decision) is Routed:
+            held = 0.0 if st.held_since is None else self.pool.clock() - st.held_since
             st.routed = self.inflight.start(
                 decision,
                 model=st.model,
@@ -508,6 +677,10 @@ class ExtProcHandler:
                 stream=st.stream,
                 body_streamed=st.body_streamed,
                 duplex_response=st.duplex_response,
+                key=st,
+                arrived=st.arrived,
+                held=held,
+                target_s=st.target_s,
             )
             self._count_class(st, st.model, "routed")
             # A full-duplex body is decided before the headers are answered: the headers
@@ -605,6 +778,22 @@ class ExtProcHandler:
                         break
         except Exception:  # an observer must never break the stream
             log.exception("error counting output tokens; ignored")
+
+
+def _free_rank(worker: Worker, variant: int) -> Rank:
+    """The worker's rank for a request: one the thresholds leave free for ``variant`` (or
+    with no load data), the fewest requests in flight, then the least KV in use."""
+    ranks = worker.ranks
+    if len(ranks) == 1:
+        return ranks[0]
+    free = [r for r in ranks if not r.has_data or r.reason_for(variant) is None] or ranks
+
+    def load(rank: Rank) -> tuple[int, float]:
+        total = worker.kv_total(rank)
+        blocks = rank.decode_blocks or 0
+        return rank.inflight, (blocks / total if total else float(blocks))
+
+    return min(free, key=load)
 
 
 class RequestSession:

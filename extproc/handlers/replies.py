@@ -33,6 +33,12 @@ MAX_RETRY_AFTER = 60
 # Every overload reply says why: the check that fired and the request's class.
 SHED_REASON_HEADER = "x-shed-reason"
 SHED_CLASS_HEADER = "x-shed-class"
+# Deadline admission's rejection: its reason, and the predicted wait in milliseconds (the
+# OpenAI SDKs read it before Retry-After).
+DEADLINE_REASON = "deadline"
+RETRY_AFTER_MS_HEADER = "retry-after-ms"
+# Deadline replies kept (one per status, wait in ms and class); cleared when exceeded.
+DEADLINE_CACHE = 4096
 DEFAULT_CLASS = "default"
 _PM = processing_mode_pb2.ProcessingMode
 
@@ -289,6 +295,8 @@ class Replies:
         self.busy_statuses = busy_statuses
         self.protocol = protocol
         self._overloads: dict[tuple[int, int, str, str], bytes] = {}
+        self._deadlines: dict[tuple[int, int, int, str], bytes] = {}
+        self._extensions: dict[int, bytes] = {}
         self._routes: dict[tuple[str, ...], bytes] = {}
         self._models: tuple[tuple[str, ...], bytes] | None = None
 
@@ -310,6 +318,40 @@ class Replies:
                 headers[SHED_REASON_HEADER] = check
             body = error_body("Service temporarily overloaded", status)
             reply = self._overloads[key] = immediate(status, body, headers)
+        return reply
+
+    def deadline(
+        self, retry_after: int, retry_after_ms: int, cls: RequestClass | None = None
+    ) -> bytes:
+        """The overload reply of deadline admission: no worker is predicted to give a
+        first token within the target. The class's status as in :meth:`overload`; the
+        retry headers come from the predicted wait (``Retry-After`` whole seconds 1-60,
+        ``retry-after-ms`` at least 1), whatever the class configures; ``x-shed-reason:
+        deadline``."""
+        status = self.overload_status if cls is None or cls.status is None else cls.status
+        name = DEFAULT_CLASS if cls is None else cls.name
+        retry = max(1, min(MAX_RETRY_AFTER, retry_after))
+        ms = max(1, retry_after_ms)
+        key = (status, retry, ms, name)
+        reply = self._deadlines.get(key)
+        if reply is None:
+            if len(self._deadlines) >= DEADLINE_CACHE:
+                self._deadlines.clear()
+            headers = {
+                "retry-after": str(retry),
+                RETRY_AFTER_MS_HEADER: str(ms),
+                SHED_CLASS_HEADER: name,
+                SHED_REASON_HEADER: DEADLINE_REASON,
+            }
+            body = error_body("Service temporarily overloaded", status)
+            reply = self._deadlines[key] = immediate(status, body, headers)
+        return reply
+
+    def extension(self, seconds: int) -> bytes:
+        """Tell Envoy to wait ``seconds`` for the next reply (a held request)."""
+        reply = self._extensions.get(seconds)
+        if reply is None:
+            reply = self._extensions[seconds] = extend_timeout(seconds)
         return reply
 
     def rejected(self, decision: Rejected, cls: RequestClass | None = None) -> bytes:

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from extproc.core.latency import LatencyControl
+    from extproc.core.latency import DeadlineAdmission
     from extproc.core.pool import WorkerPool
 
 DECISION_OUTCOMES = (
@@ -26,6 +26,7 @@ DECISION_OUTCOMES = (
     "bad_request",
     "passthrough",
     "queue_timeout",
+    "deadline",
 )
 EVENT_TOPICS = ("config", "load", "bye")
 GRPC_CLOSE_REASONS = ("protocol_error", "keepalive_timeout")
@@ -86,8 +87,8 @@ class Metrics:
         )
         self.background_errors = Counter(
             "extproc_background_errors",
-            "Failures of a background task (the worker sweeper, the latency controller's "
-            "tick): the first one is logged with its traceback, and the task keeps running.",
+            "Failures of a background task (the worker sweeper): the first one is logged "
+            "with its traceback, and the task keeps running.",
             ["task"],
             registry=r,
         )
@@ -155,6 +156,29 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        # Deadline admission (models and request classes with a TTFT target).
+        self.predicted_ttft = Histogram(
+            "extproc_predicted_ttft_seconds",
+            "Smallest predicted time to first token over the candidate workers, per request "
+            "decided against a TTFT target (wait for a slot + prefill + gateway delay).",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.held_wait = Histogram(
+            "extproc_held_wait_seconds",
+            "Time requests were held in the router for a slot (deadline admission), whatever "
+            "ended it: dispatched, past their deadline, or the client gone.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.ttft_target_met = Counter(
+            "extproc_ttft_target_met",
+            "Admitted streamed requests with a TTFT target, by whether their first body byte "
+            "came within it (measured from their arrival at the router).",
+            ["model", "met"],
+            registry=r,
+        )
         self.streams = Gauge(
             "extproc_streams",
             "Open ext_proc streams: one per HTTP request in Envoy's ext_proc filter "
@@ -188,9 +212,9 @@ class Metrics:
     ) -> None:
         self.registry.register(PoolCollector(pool, queue_depth or dict))
 
-    def watch_latency(self, control: LatencyControl) -> None:
-        """Series of the latency controller (models with a latency target)."""
-        self.registry.register(LatencyCollector(control))
+    def watch_admission(self, admission: DeadlineAdmission) -> None:
+        """Series of deadline admission read at scrape time: the held requests."""
+        self.registry.register(HeldCollector(admission))
 
     def watch_grpc(
         self, connections: Callable[[], int], closed: Callable[[], Mapping[str, int]]
@@ -199,74 +223,28 @@ class Metrics:
         self.registry.register(GrpcCollector(connections, closed))
 
 
-class LatencyCollector(Collector):
-    """Scrape-time series of the latency controller, per model with a latency target:
-    ``extproc_latency_limit{model}`` (the mean multiplier on its workers' thresholds, 1 =
-    the thresholds), ``extproc_ttft_p99_seconds{model}`` (the measured p99 over the last
-    10 s; absent without samples), ``extproc_engine_ttft_p99_seconds{model}`` (the same as
-    the engines report it), ``extproc_latency_target_seconds{model,target}`` and
-    ``extproc_latency_target_unreachable{model}`` (workers whose target is out of reach at
-    the floor, or by delay their limit does not shorten); per worker
-    ``extproc_worker_latency_limit{worker_id,model}``."""
+class HeldCollector(Collector):
+    """``extproc_held_requests{model}``: requests held in the router for a slot now, per
+    model that has held any since the start (0 when none is held)."""
 
-    def __init__(self, control: LatencyControl) -> None:
-        self.control = control
+    def __init__(self, admission: DeadlineAdmission) -> None:
+        self.admission = admission
+        self.seen: set[str] = set()
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        control = self.control
-        limit = GaugeMetricFamily(
-            "extproc_latency_limit",
-            "Mean multiplier the latency controller applies to the model's thresholds (1 = "
-            "the thresholds).",
+        held = GaugeMetricFamily(
+            "extproc_held_requests",
+            "Requests held in the router for a slot (deadline admission), per model.",
             labels=["model"],
         )
-        p99 = GaugeMetricFamily(
-            "extproc_ttft_p99_seconds",
-            "Time to first token p99 measured at the gateway over the last 10 s.",
-            labels=["model"],
-        )
-        target = GaugeMetricFamily(
-            "extproc_latency_target_seconds",
-            "The model's latency target.",
-            labels=["model", "target"],
-        )
-        unreachable = GaugeMetricFamily(
-            "extproc_latency_target_unreachable",
-            "Workers of the model whose latency target is out of reach: even at the floor, "
-            "or by delay that cutting their limit did not shorten.",
-            labels=["model"],
-        )
-        per_worker = GaugeMetricFamily(
-            "extproc_worker_latency_limit",
-            "The latency controller's multiplier on the worker's thresholds (1 = the thresholds).",
-            labels=["worker_id", "model"],
-        )
-        pool = control.pool
-        engine = GaugeMetricFamily(
-            "extproc_engine_ttft_p99_seconds",
-            "Time to first token p99 as the engines report it, over the last 10 s.",
-            labels=["model"],
-        )
-        for m in control.models():
-            model = m.model
-            limit.add_metric([model], m.limit)
-            if m.ttft_p99 is not None:
-                p99.add_metric([model], m.ttft_p99)
-            if m.engine_ttft_p99 is not None:
-                engine.add_metric([model], m.engine_ttft_p99)
-            th = pool.thresholds_for(model)
-            for name, ms in (("ttft", th.ttft_p99_target_ms), ("itl", th.itl_p99_target_ms)):
-                if ms is not None:
-                    target.add_metric([model, name], ms / 1000)
-            count = 0
-            for worker in pool.by_model.get(model, ()):
-                per_worker.add_metric([worker.worker_id, model], worker.latency_scale)
-                count += control.unreachable(worker)
-            unreachable.add_metric([model], count)
-        yield from (limit, p99, engine, target, unreachable, per_worker)
+        now = {model: len(q) for model, q in self.admission.held.items() if q}
+        self.seen.update(now)
+        for model in sorted(self.seen):
+            held.add_metric([model], now.get(model, 0))
+        yield held
 
 
 class GrpcCollector(Collector):

@@ -160,8 +160,13 @@ def test_debug_workers_explains_why(stack: Stack) -> None:
         ext, "dbg-1", "dbg", stack.endpoint("c"), kv_total_blocks=100, max_num_batched_tokens=64
     )
     pub.load("dbg-1", active_decode_blocks=51, active_prefill_tokens=0)
-    wait_until(lambda: ext.workers()["dbg-1"]["state"] == "busy", 5, "busy")
+    wait_until(
+        lambda: ext.workers()["dbg-1"]["ranks"][0]["reported"]["active_decode_blocks"] == 51,
+        5,
+        "the second load",
+    )
     w = ext.workers()["dbg-1"]
+    assert w["state"] == "busy"
     rank = w["ranks"][0]
     assert rank["fired"] == "active_decode_blocks_threshold"
     assert rank["busy_limits"] == {

@@ -19,7 +19,7 @@ from extproc.admin.auth import AdminAuth
 from extproc.admin.status import DecisionHistory
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
-from extproc.devstack import Extproc, Publisher, get_json, http, wait_until
+from extproc.devstack import get_json, http, wait_until
 from extproc.metrics.registry import Metrics
 from tests.conftest import Stack
 
@@ -249,43 +249,3 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
         ext.admin + "/status.json",
     }, requested
     page.close()
-
-
-@pytest.mark.slow
-def test_rendered_page_says_when_a_latency_target_is_unreachable(
-    browser: Any, tmp_path: Path
-) -> None:
-    """The engine reports a TTFT far above a 1 ms target (in its load events): the limit
-    walks to the floor, and the page shows the target, the p99, the limit and the warning."""
-    ext = Extproc(tmp_path, ["--active-prefill-tokens-threshold", "1000", "--worker-ttl", "60",
-                             "--ttft-p99-target-ms", "1", "--ttft-source", "engine"])  # fmt: skip
-    pub = Publisher(ext.event_endpoint)
-    try:
-        pub.announce(ext, "gpu-t", "slo", "127.0.0.1:9")
-
-        def at_floor() -> bool:
-            pub.load("gpu-t", active_prefill_tokens=0, ttft_seconds=[[0.25, 30]])
-            control = ext.workers()["gpu-t"].get("latency_control") or {}
-            return bool(control.get("target_unreachable"))
-
-        wait_until(at_floor, 40, "the target reported unreachable")
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(ext.admin + "/status")
-        pub.load("gpu-t", active_prefill_tokens=0, ttft_seconds=[[0.25, 30]])
-        page.wait_for_function(
-            "document.querySelector('#models tr[data-model=\"slo\"] td.latency')"
-            "?.innerText.includes('target unreachable')",
-            timeout=10_000,
-        )
-        cell = page.locator('#models tr[data-model="slo"] td.latency').inner_text()
-        assert "/ 1 ms" in cell and "limit \u00d70.1" in cell, cell
-        warning = page.locator("#warning-list").inner_text()
-        assert "model slo: target unreachable" in warning and "gpu-t" in warning, warning
-        why = page.locator('tr.worker[data-worker-id="gpu-t"] .latency-control').inner_text()
-        assert "limit \u00d70.1 of the thresholds: target unreachable" in why, why
-        assert errors == []
-    finally:
-        pub.close()
-        ext.stop()

@@ -451,13 +451,17 @@ def test_the_api_sets_shows_and_removes_a_target(admin: Admin) -> None:
     _, _, body = admin.post({"model": "T", ITL_TARGET: 40, TTFT_TARGET: None})
     assert body == entry("T", **{TTFT_TARGET: 250.0, ITL_TARGET: 40.0})
     view = admin.ext.workers()["wt"]
-    assert view["latency_control"]["limit"] == 1.0  # no samples yet: nothing moved
-    assert view["latency_control"]["why"] == "waiting for samples"
+    assert view["deadline"]["ttft_p99_target_ms"] == 250.0
+    assert view["deadline"]["target_unreachable"] is False  # nothing measured: no verdict
+    models = get_json(admin.ext.admin + "/debug/workers")["models"]
+    assert models["T"]["ttft_p99_target_ms"] == 250.0
     for bad in (0, -1, 600_001, "fast"):
         status, _, body = admin.post({"model": "T", TTFT_TARGET: bad, PREFILL: 1})
         assert status == 422 and TTFT_TARGET in body["error"], body
+        assert repr(bad) in body["error"] or str(bad) in body["error"], body
     # Nothing changed by the refused calls, the threshold sent beside them included.
     assert admin.listed()["T"] == entry("T", **{TTFT_TARGET: 250.0, ITL_TARGET: 40.0})
     _, _, body = admin.post({"model": "T", "disable": [TTFT_TARGET, ITL_TARGET]})
     assert body == entry("T") and set(body) == {"model", *THRESHOLD_NAMES}
-    assert "latency_control" not in admin.ext.workers()["wt"]
+    assert "ttft_p99_target_ms" not in admin.ext.workers()["wt"]["deadline"]
+    assert get_json(admin.ext.admin + "/debug/workers")["models"]["T"]["ttft_p99_target_ms"] is None

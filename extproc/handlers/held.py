@@ -1,0 +1,236 @@
+"""Requests held in the router for a slot under deadline admission, until one frees.
+
+A request whose target fits only after a wait for a slot (``core/latency.py``) waits here,
+in its model's :class:`~extproc.core.held.HeldQueue`, earliest deadline first. The queue is
+pumped (:meth:`HeldRequests.pump`) whenever a slot may have freed: a stream's end (the
+pool's capacity listener), a load report, a threshold or target change, and a held
+request's deadline (a timer per model for the earliest one). A pump
+
+1. answers the requests past their deadline with the deadline reply;
+2. decides the requests whose target was removed by the plain rule (the thresholds);
+3. gives every free slot a held request, earliest deadline first: a worker is free for a
+   held request when the thresholds leave it free for the request's class and it has a
+   slot free (its :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that
+   never showed a limit always has one), and the request fits there: it was held for that
+   worker, or the worker's idle TTFT (prefill and gateway delay) still ends before its
+   deadline. So no slot sits idle while a request that fits waits.
+
+While a request is held Envoy's message timer is extended (``override_message_timeout``,
+as for the router queue), by at most :data:`HOLD_MAX_SECONDS`: the shipped Envoy configs
+allow 30 s (``max_message_timeout``), so a request is never held longer. A client that goes
+away leaves the queue at once (:meth:`HeldRequests.drop`, from the stream's end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.core.deadline import Hold, Reject
+from extproc.core.latency import DeadlineAdmission
+from extproc.core.pool import WorkerPool
+from extproc.core.worker import Worker
+from extproc.metrics.registry import Metrics
+
+# Envoy's max_message_timeout in the shipped configs is 30 s; a held request's extension
+# stays under it with room for the reply.
+HOLD_MAX_SECONDS = 28.0
+# A timer fires this long after a deadline, so that the deadline has passed (expire takes
+# the requests with deadline < now).
+TIMER_SLACK = 0.001
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """One held request: what its later decision needs."""
+
+    key: Hashable
+    model: str
+    prompt_tokens: int
+    variant: int
+    class_name: str
+    arrived: float
+    since: float
+    future: asyncio.Future[Any] = field(repr=False)
+
+
+# What the processor supplies: send the request to a worker (its routing reply), answer it
+# with the deadline reply (the smallest predicted wait, None: unknown), decide it by the
+# plain rule (a reply, or the router queue's marker).
+RouteFn = Callable[[Hashable, Worker], bytes]
+RejectFn = Callable[[Hashable, Reject], bytes]
+PlainFn = Callable[[Hashable], Any]
+
+
+class HeldRequests:
+    """The waiting side of the held queues."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        admission: DeadlineAdmission,
+        metrics: Metrics,
+        route: RouteFn,
+        reject: RejectFn,
+        plain: PlainFn,
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.metrics = metrics
+        self.route = route
+        self.reject = reject
+        self.plain = plain
+        self.waiters: dict[Hashable, Waiter] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._pumping: set[str] = set()
+
+    def hold(
+        self,
+        key: Hashable,
+        model: str,
+        decision: Hold,
+        *,
+        prompt_tokens: int,
+        variant: int,
+        class_name: str,
+        arrived: float,
+    ) -> tuple[asyncio.Future[Any], float]:
+        """Hold request ``key`` (its deadline capped at :data:`HOLD_MAX_SECONDS` from now);
+        returns the future its reply (or the plain rule's decision) is set on, and how
+        long Envoy must wait for it (s)."""
+        now = self.pool.clock()
+        deadline = min(decision.deadline, now + HOLD_MAX_SECONDS)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.admission.queue(model).push(key, deadline, now, decision.workers or None)
+        self.waiters[key] = Waiter(
+            key, model, prompt_tokens, variant, class_name, arrived, now, future
+        )
+        self._arm(model)
+        return future, deadline - now
+
+    def drop(self, key: Hashable) -> None:
+        """The client went away (or the stream ended): out of the queue, nothing sent."""
+        w = self.waiters.pop(key, None)
+        if w is None:
+            return
+        q = self.admission.held.get(w.model)
+        if q is not None:
+            q.remove(key)
+        self.metrics.held_wait.observe(max(0.0, self.pool.clock() - w.since))
+        if not w.future.done():
+            w.future.cancel()
+
+    def _finish(self, w: Waiter, result: Any) -> None:
+        self.waiters.pop(w.key, None)
+        self.metrics.held_wait.observe(max(0.0, self.pool.clock() - w.since))
+        if not w.future.done():
+            w.future.set_result(result)
+
+    def pump_all(self) -> None:
+        for model in list(self.admission.held):
+            self.pump(model)
+
+    def pump(self, model: str) -> None:
+        """Expire, re-decide and dispatch the held requests of ``model`` (the module's
+        rule). Re-entrant calls (a dispatch that frees nothing) are folded into this one."""
+        q = self.admission.held.get(model)
+        if not q or model in self._pumping:
+            return
+        self._pumping.add(model)
+        try:
+            self._pump(model)
+        finally:
+            self._pumping.discard(model)
+            self._arm(model)
+
+    def _pump(self, model: str) -> None:
+        admission = self.admission
+        pool = self.pool
+        q = admission.held[model]
+        now = pool.clock()
+        for h in q.expire(now):
+            w = self.waiters.get(h.key)
+            if w is not None:
+                self._finish(w, self.reject(w.key, self._late(w, now)))
+        for h in list(q):
+            w = self.waiters.get(h.key)
+            if w is None:
+                q.remove(h.key)
+            elif admission.target_s(model, w.class_name) is None:
+                q.remove(h.key)  # the target was removed: the plain rule decides it now
+                self._finish(w, self.plain(w.key))
+        if not q:
+            return
+        workers = [w for w in pool.by_model.get(model, ()) if w.configured]
+        free: dict[str, int] = {}
+        for worker in workers:
+            n = admission.estimate(worker.worker_id).free_slots(now)
+            free[worker.worker_id] = len(q) if n is None else n
+        if not any(free.values()):
+            return
+        # The cheapest worker first: smallest idle TTFT for a typical request.
+        workers.sort(key=lambda wk: admission.estimate(wk.worker_id).idle_ttft(0))
+        for h in list(q):
+            w = self.waiters[h.key]
+            for worker in workers:
+                wid = worker.worker_id
+                if free.get(wid, 0) <= 0 or not worker.free_for(w.variant, now):
+                    continue
+                if not h.fits(wid):
+                    idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
+                    target = admission.target_s(model, w.class_name) or 0.0
+                    if now + idle > w.arrived + target:
+                        continue
+                q.remove(h.key)
+                free[wid] -= 1
+                self._finish(w, self.route(w.key, worker))
+                break
+            if not any(free.values()):
+                break
+
+    def _late(self, w: Waiter, now: float) -> Reject:
+        """The deadline reply's wait for a request whose deadline passed: the smallest
+        predicted wait now (None: unknown)."""
+        workers = [
+            wk
+            for wk in self.pool.by_model.get(w.model, ())
+            if wk.configured and wk.free_for(w.variant, now)
+        ]
+        target = self.admission.target_s(w.model, w.class_name)
+        if not workers or target is None:
+            return Reject(None)
+        preds = self.admission.predictions(
+            w.model, workers, w.prompt_tokens, target, w.arrived, now
+        )
+        waits = [p.wait for p in preds if p.wait is not None]
+        return Reject(min(waits) if waits else None)
+
+    def _arm(self, model: str) -> None:
+        """A timer for the earliest held deadline of ``model`` (none when none is held)."""
+        old = self._timers.pop(model, None)
+        if old is not None:
+            old.cancel()
+        q = self.admission.held.get(model)
+        if not q:
+            self.admission.held.pop(model, None)
+            return
+        first = next(iter(q))
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to time
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK
+            self._timers[model] = loop.call_later(delay, self.pump, model)
+
+    def close(self) -> None:
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+
+
+def extension_seconds(wait: float) -> int:
+    """Whole seconds Envoy waits for a held request's reply: its longest hold plus 2."""
+    return min(int(HOLD_MAX_SECONDS) + 2, math.ceil(max(0.0, wait)) + 2)

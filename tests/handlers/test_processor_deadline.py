@@ -1,0 +1,277 @@
+"""Deadline admission in the handler: plain ext_proc messages, a fake clock, one or two
+workers with one slot each whose measured service time is about 1 s."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.core.busy import BusyThresholds
+from extproc.core.latency import GATEWAY_ONLY, DeadlineAdmission
+from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import Scheduler
+from extproc.handlers.processor import ExtProcHandler, RequestSession
+from extproc.metrics.registry import Metrics
+from tests.handlers.test_processor import CHAT, Clock, counter, headers, local, response_headers
+from tests.handlers.test_processor_output import SSE, chunk
+
+PROMPT_BYTES = 400  # 100 prompt tokens, from the content-length
+
+
+def make(
+    target_ms: float | None = 2000.0,
+    workers: tuple[str, ...] = ("a",),
+    slots: int | None = 1,
+    decode: float | None = None,
+) -> tuple[ExtProcHandler, Clock]:
+    clock = Clock()
+    clock.t = 100.0
+    pool = WorkerPool(BusyThresholds(decode, ttft_p99_target_ms=target_ms), clock=clock)
+    admission = DeadlineAdmission(pool)
+    handler = ExtProcHandler(pool, Scheduler(pool), Metrics(), admission=admission)
+    pool.on_capacity = handler.capacity_changed
+    pool.on_load = handler.load_reported
+    for i, wid in enumerate(workers):
+        pool.announce(wid, model="m", endpoint=f"127.0.0.1:{i + 1}", kv_total_blocks=100)
+        if slots is not None:
+            pool.report_load(
+                wid, num_requests_waiting=0, request_active_slots=0, request_total_slots=slots
+            )
+    return handler, clock
+
+
+def learn(handler: ExtProcHandler, clock: Clock, wid: str, n: int = 8, scale: float = 1.0) -> None:
+    """``n`` requests on ``wid`` alone, each 0.1 s to its first byte and 1 s in all (times
+    ``scale``)."""
+    admission = handler.admission
+    assert admission is not None
+    worker = handler.pool.workers[wid]
+    for i in range(n):
+        key = ("warm", wid, i)
+        admission.dispatched(key, worker, 100, clock.t, clock.t)
+        clock.t += 0.1 * scale
+        admission.first_byte(key, worker, clock.t)
+        clock.t += 0.9 * scale
+        admission.ended(key, worker, clock.t, 10)
+
+
+def send(handler: ExtProcHandler, request_id: str = "r") -> tuple[RequestSession, Any]:
+    """A streamed chat request decided on its headers: its session and raw reply."""
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    extra = {"content-length": str(PROMPT_BYTES), "x-request-id": request_id}
+    return session, session.receive(headers(CHAT, read="m", extra=extra))
+
+
+def parsed(raw: Any) -> ep.ProcessingResponse:
+    assert isinstance(raw, bytes), raw
+    return ep.ProcessingResponse.FromString(raw)
+
+
+def destination(resp: ep.ProcessingResponse) -> str:
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in _set_headers(resp)}
+    return hdrs["x-gateway-destination-endpoint"]
+
+
+def _set_headers(resp: ep.ProcessingResponse) -> Any:
+    return resp.request_headers.response.header_mutation.set_headers
+
+
+def finish(session: RequestSession) -> None:
+    """The response streams a first token, then ends."""
+    session.receive(response_headers(200, extra=SSE))
+    session.receive(chunk(1))
+    session.receive(chunk(1, end=True))
+    session.close()
+
+
+def test_a_request_that_fits_goes_to_the_worker_with_the_smallest_prediction() -> None:
+    handler, clock = make(workers=("a", "b"))
+    learn(handler, clock, "a")
+    learn(handler, clock, "b")
+    _first, raw = send(handler, "r1")
+    assert destination(parsed(raw)) in ("127.0.0.1:1", "127.0.0.1:2")
+    picked = destination(parsed(raw))
+    _, raw2 = send(handler, "r2")  # the other worker's slot is free: no wait there
+    assert destination(parsed(raw2)) != picked
+    assert counter(handler, "extproc_decisions_total", outcome="routed") == 2
+    assert counter(handler, "extproc_predicted_ttft_seconds_count", model="m") == 2
+
+
+def test_a_request_that_would_wait_past_the_target_is_rejected_at_once() -> None:
+    handler, clock = make(target_ms=500.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")  # takes the only slot
+    _, raw = send(handler, "r2")  # waits about 1 s for it: past 0.5 s
+    status, hdrs, body = local(parsed(raw))
+    assert status == 529 and body["code"] == 529
+    assert hdrs["x-shed-reason"] == "deadline"
+    assert hdrs["retry-after"] == "1"
+    assert 500 <= int(hdrs["retry-after-ms"]) <= 2000
+    assert counter(handler, "extproc_decisions_total", outcome="deadline") == 1
+    labels = {"model": "m", "endpoint": "chat_completions"}
+    assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
+
+
+def test_without_a_target_a_full_worker_still_takes_the_request() -> None:
+    handler, clock = make(target_ms=None)
+    learn(handler, clock, "a")
+    send(handler, "r1")
+    _, raw = send(handler, "r2")  # no thresholds, no target: nothing is ever rejected
+    assert destination(parsed(raw)) == "127.0.0.1:1"
+    assert counter(handler, "extproc_decisions_total", outcome="deadline") == 0
+
+
+async def test_a_request_that_fits_after_a_wait_is_held_and_sent_when_the_slot_frees() -> None:
+    handler, clock = make(target_ms=5000.0)
+    learn(handler, clock, "a")
+    first, _ = send(handler, "r1")
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple), raw  # (Envoy's timer extended, the reply later)
+    extension, later = raw
+    timeout = ep.ProcessingResponse.FromString(extension).override_message_timeout
+    assert 2 <= timeout.seconds <= 30
+    task = asyncio.ensure_future(later)
+    await asyncio.sleep(0)
+    assert not task.done()
+    assert handler.admission is not None and len(handler.admission.held["m"]) == 1
+    clock.t += 0.8
+    finish(first)  # the slot frees: the held request goes at once
+    resp = parsed(await asyncio.wait_for(task, 1))
+    assert destination(resp) == "127.0.0.1:1"
+    assert not handler.admission.held.get("m")
+    assert counter(handler, "extproc_held_wait_seconds_count") == 1
+    assert counter(handler, "extproc_held_wait_seconds_sum") == pytest.approx(0.8)
+
+
+async def test_held_requests_go_out_earliest_deadline_first() -> None:
+    handler, clock = make(target_ms=5000.0)
+    learn(handler, clock, "a")
+    first, _ = send(handler, "r1")
+    clock.t += 0.01
+    _, early = send(handler, "early")  # arrived first: its deadline is earlier
+    clock.t += 0.01
+    _, late = send(handler, "late")
+    assert isinstance(early, tuple) and isinstance(late, tuple)
+    early_task = asyncio.ensure_future(early[1])
+    late_task = asyncio.ensure_future(late[1])
+    finish(first)
+    await asyncio.wait_for(early_task, 1)
+    await asyncio.sleep(0)
+    assert not late_task.done()  # one slot: the later deadline still waits
+    late_task.cancel()
+
+
+async def test_a_held_request_past_its_deadline_gets_the_deadline_reply() -> None:
+    handler, clock = make(target_ms=2500.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple), raw
+    task = asyncio.ensure_future(raw[1])
+    clock.t += 3.0  # the slot never freed
+    assert handler.held is not None
+    handler.held.pump("m")  # what the deadline's timer does
+    status, hdrs, _ = local(parsed(await asyncio.wait_for(task, 1)))
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+    assert int(hdrs["retry-after-ms"]) >= 1
+    assert counter(handler, "extproc_decisions_total", outcome="deadline") == 1
+
+
+async def test_the_deadline_timer_answers_a_held_request_without_any_event() -> None:
+    handler, clock = make(target_ms=500.0)
+    learn(handler, clock, "a", scale=0.2)  # 0.2 s a request: a wait that fits 0.5 s
+    send(handler, "r1")
+    loop = asyncio.get_running_loop()
+    clock.t = loop.time()  # the pool's clock is the loop's: the timer fires for real
+    handler.pool.clock = loop.time
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple), raw
+    status, hdrs, _ = local(parsed(await asyncio.wait_for(raw[1], 3)))
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+
+
+async def test_a_client_that_goes_away_while_held_releases_everything() -> None:
+    handler, clock = make(target_ms=5000.0)
+    learn(handler, clock, "a")
+    first, _ = send(handler, "r1")
+    gone, raw = send(handler, "r2")
+    assert isinstance(raw, tuple)
+    task = asyncio.ensure_future(raw[1])
+    gone.close()  # the stream ends: the transport cancels its waiting reply too
+    task.cancel()
+    assert handler.admission is not None and not handler.admission.held.get("m")
+    finish(first)  # the slot frees: nobody is sent into it
+    rank = handler.pool.workers["a"].ranks[0]
+    assert rank.inflight == 0
+    assert not handler.admission.estimates["a"].flights
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_removing_the_target_decides_held_requests_by_the_plain_rule_at_once() -> None:
+    handler, clock = make(target_ms=5000.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple)
+    task = asyncio.ensure_future(raw[1])
+    handler.pool.set_thresholds("m", BusyThresholds())  # POST disable: no target now
+    resp = parsed(await asyncio.wait_for(task, 1))
+    assert destination(resp) == "127.0.0.1:1"  # no threshold fires: the plain rule routes
+    _, raw3 = send(handler, "r3")  # and so does every later request, at once
+    assert destination(parsed(raw3)) == "127.0.0.1:1"
+
+
+def test_thresholds_stay_ceilings_and_every_busy_worker_is_todays_reply() -> None:
+    handler, _clock = make(target_ms=60_000.0, decode=0.5)
+    handler.pool.report_load("a", active_decode_blocks=90, request_total_slots=1)
+    _, raw = send(handler, "r1")
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and hdrs["x-shed-reason"] == "active_decode_blocks_threshold"
+    assert "retry-after-ms" not in hdrs
+
+
+def test_a_first_token_within_the_target_counts_as_met() -> None:
+    handler, clock = make(target_ms=2000.0)
+    session, _ = send(handler, "r1")
+    clock.t += 0.3
+    finish(session)
+    assert counter(handler, "extproc_ttft_target_met_total", model="m", met="true") == 1
+    session, _ = send(handler, "r2")
+    clock.t += 2.5
+    finish(session)
+    assert counter(handler, "extproc_ttft_target_met_total", model="m", met="false") == 1
+    assert handler.admission is not None
+    assert handler.admission.met["m"].share == 0.5
+
+
+def test_a_worker_without_queue_fields_is_predicted_from_the_gateways_timings() -> None:
+    handler, _clock = make(slots=None)
+    handler.pool.report_load("a", active_decode_blocks=1)  # no queue fields
+    session, raw = send(handler, "r1")
+    assert destination(parsed(raw)) == "127.0.0.1:1"  # no data yet: routable
+    assert handler.admission is not None
+    view = handler.admission.view(handler.pool.workers["a"])
+    assert view is not None and view["from"] == GATEWAY_ONLY
+    missing = view["missing"]
+    assert isinstance(missing, list) and "num_requests_waiting" in missing
+    finish(session)
+
+
+def test_a_target_below_an_idle_workers_ttft_is_shown_unreachable() -> None:
+    handler, clock = make(target_ms=50.0)
+    learn(handler, clock, "a")  # 0.1 s to the first byte on an idle worker
+    assert handler.admission is not None
+    worker = handler.pool.workers["a"]
+    view = handler.admission.view(worker)
+    assert view is not None and view["target_unreachable"] is True
+    idle = view["idle_ttft_ms"]
+    assert isinstance(idle, float) and 50 < idle < 150
+    assert str(view["target"]) == f"target unreachable: an idle worker takes {idle:.0f} ms"
+    _, raw = send(handler, "r1")
+    status, hdrs, _ = local(parsed(raw))
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
