@@ -150,6 +150,27 @@ def rank_limits(
     return RankLimits(decode, prefill, frac)
 
 
+def class_limits(
+    th: BusyThresholds,
+    shares: list[Share],
+    *,
+    kv_mode: bool,
+    kv_total_blocks: int | None,
+    max_num_batched_tokens: int | None,
+) -> list[RankLimits]:
+    """One rank's limits for each request class's share, the default class first."""
+    return [
+        rank_limits(
+            th,
+            kv_mode=kv_mode,
+            kv_total_blocks=kv_total_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            share=share,
+        )
+        for share in shares
+    ]
+
+
 def rank_busy_reason(
     limits: RankLimits, decode_blocks: int | None, prefill_tokens: int | None
 ) -> str | None:

@@ -4,24 +4,33 @@ A Kubernetes gateway (Endpoint Picker protocol) may name the endpoints a request
 to, as the pods' ``ip:port``. Each address in the subset is matched to what the workers
 announced, in this order:
 
-1. a worker of the request's model that announced exactly that address;
-2. else the one worker of the model announcing the same host on another port (the pod's
-   IP with the engine's port, while the gateway targets a proxy or sidecar port): its load
-   counts for the address, and the request goes to the gateway's address;
-3. else, when no worker announced the address for another model, a worker known only
-   from the gateway: no load events, so free, with the router's own estimate for what it
-   sends there (the rule for a worker that sent ``config`` but no ``load``).
+1. a worker of the request's model at that address: the one that announced it, else one
+   that announced a host name which resolved to it (the match a served host gets,
+   :meth:`~extproc.core.pool.WorkerPool.worker_at`);
+2. else the one worker of the model on the same host with another port, its host as
+   announced or as resolved (the pod's IP with the engine's port, while the gateway
+   targets a proxy or sidecar port): its load counts for the address, and the request goes
+   to the gateway's address;
+3. else, when no worker of another model announced the address (or resolved to it), a
+   worker known only from the gateway: no load events, so free, with the router's own
+   estimate for what it sends there (the rule for a worker that sent ``config`` but no
+   ``load``).
 
 An address announced only by workers of other models is not a candidate (that engine does
-not serve the model); a worker whose address is not in the subset is never picked. Plain
-values, no I/O.
+not serve the model); a worker whose address is not in the subset is never picked.
+
+A worker known only from the gateway is made once, by the first decision whose subset
+names its address for its model, with the limits of a worker that announced no capacity
+(only the prefill-token threshold can fire). The pool lists it among its ``unlisted``
+workers: in no index, but their limits follow threshold and share changes when those are
+made, like every worker's. A decision only reads them. Plain values, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.core.busy import BusyThresholds, Share
+from extproc.core.busy import class_limits
 from extproc.core.pool import WorkerPool
 from extproc.core.worker import Rank, Worker
 
@@ -37,39 +46,50 @@ def host_of(endpoint: str) -> str:
 
 
 class GatewayWorkers:
-    """Workers known from the gateway's subset only, by (address, model)."""
+    """Matches a subset's addresses to workers; makes the workers known only from it."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
-        # (address, model) -> (worker, the thresholds and shares its limits were built from)
-        self._known: dict[tuple[str, str], tuple[Worker, BusyThresholds, list[Share]]] = {}
+        # (address, model) -> worker; the pool's table, which keeps their limits current.
+        self._known = pool.unlisted
 
     def __len__(self) -> int:
         return len(self._known)
 
     def get(self, address: str, model: str) -> Worker:
-        """The worker for ``address`` serving ``model``, made on first use; its busy limits
-        follow the model's thresholds (a change through the API applies here too)."""
-        pool = self.pool
+        """The worker known only from the gateway for ``address`` serving ``model``, made
+        on first use."""
         key = (address, model)
-        thresholds, shares = pool.thresholds_for(model), pool.shares
-        entry = self._known.get(key)
-        if entry is not None:
-            worker, seen_thresholds, seen_shares = entry
-            if seen_thresholds is thresholds and seen_shares is shares:
-                return worker
-        else:
+        worker = self._known.get(key)
+        if worker is None:
             if len(self._known) >= MAX_GATEWAY_WORKERS:
                 self._forget_idle()
-            worker = Worker(GATEWAY_ID_PREFIX + address, pool.clock())
-            worker.endpoint = address
-            worker.model = model
-        pool.adopt(worker)
-        self._known[key] = (worker, thresholds, shares)
+            worker = self._known[key] = self._make(address, model)
+        return worker
+
+    def _make(self, address: str, model: str) -> Worker:
+        """A worker with no capacity announced: free for every class (no data), its limits
+        built from the model's thresholds and the classes' shares as the pool builds them."""
+        pool = self.pool
+        worker = Worker(GATEWAY_ID_PREFIX + address, pool.clock())
+        worker.endpoint = address
+        worker.model = model
+        limits = class_limits(
+            pool.thresholds_for(model),
+            pool.shares,
+            kv_mode=pool.kv_mode,
+            kv_total_blocks=None,
+            max_num_batched_tokens=None,
+        )
+        rank = worker.ranks[0]
+        rank.limits, rank.class_limits = limits[0], limits[1:]
+        rank.class_reasons = [None] * len(rank.class_limits)
+        if len(limits) > 1:
+            worker.busy_by_class = [False] * len(limits)
         return worker
 
     def _forget_idle(self) -> None:
-        idle = [k for k, (w, _, _) in self._known.items() if not _inflight(w.ranks)]
+        idle = [k for k, w in self._known.items() if not _inflight(w.ranks)]
         for key in idle:
             del self._known[key]
 
@@ -91,11 +111,29 @@ class GatewayWorkers:
 
     def _add_unmatched(self, model: str, missing: list[str], out: dict[Worker, str]) -> None:
         pool = self.pool
+        # What WorkerPool.worker_at matches past the announced endpoint: the addresses a
+        # host name resolved to, the first worker of the model in the table's order.
+        resolved_at: dict[str, Worker] = {}
         on_host: dict[str, list[Worker]] = {}
         for w in pool.by_model.get(model, ()):
             on_host.setdefault(host_of(w.endpoint), []).append(w)
-        other_models = {ep for (ep, m) in pool.by_endpoint if m != model}
+            for resolved_to in w.addresses:
+                resolved_at.setdefault(resolved_to, w)
+                workers = on_host.setdefault(host_of(resolved_to), [])
+                if w not in workers:
+                    workers.append(w)
+        resolved = pool.resolved
+        other_models: set[str] = set()
+        for endpoint, m in pool.by_endpoint:
+            if m != model:
+                other_models.add(endpoint)
+                other_models.update(resolved.get(endpoint, ()))
         for address in missing:
+            worker = resolved_at.get(address)
+            if worker is not None:
+                if worker not in out:
+                    out[worker] = address
+                continue
             same_host = on_host.get(host_of(address), ())
             if len(same_host) == 1 and same_host[0] not in out:
                 out[same_host[0]] = address

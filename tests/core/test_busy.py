@@ -11,6 +11,8 @@ from extproc.core.busy import (
     PREFILL,
     PREFILL_FRAC,
     BusyThresholds,
+    Share,
+    class_limits,
     rank_busy_reason,
     rank_limits,
     scaled_limit,
@@ -217,3 +219,18 @@ def test_enabling_a_check_never_frees(
 def test_another_busy_rank_never_frees_a_busy_worker(ranks: list[str | None], extra: str) -> None:
     if worker_busy(ranks):
         assert worker_busy([*ranks, extra])
+
+
+def test_class_limits_are_each_share_s_rank_limits_the_default_class_first() -> None:
+    th = BusyThresholds(0.5, 100, 1.5)
+    shares = [Share(), Share(0.4, 0.5, 0.25), Share(2.0, 2.0, 2.0)]
+    got = class_limits(th, shares, kv_mode=True, kv_total_blocks=10, max_num_batched_tokens=8)
+    assert [(x.decode_blocks, x.prefill_tokens, x.prefill_tokens_frac) for x in got] == [
+        (5, 100, 12),
+        (2, 50, 3),
+        (10, 200, 24),
+    ]
+    # Without capacities announced only the prefill-token threshold can fire.
+    bare = class_limits(th, shares, kv_mode=True, kv_total_blocks=None, max_num_batched_tokens=None)
+    assert [(x.decode_blocks, x.prefill_tokens_frac) for x in bare] == [(None, None)] * 3
+    assert [x.prefill_tokens for x in bare] == [100, 50, 200]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.busy import BusyThresholds
+from extproc.core.busy import BusyThresholds, Share
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import (
     MODEL_NOT_FOUND,
@@ -120,6 +120,66 @@ def test_a_threshold_change_applies_to_gateway_known_endpoints_at_once() -> None
     assert isinstance(sched.decide("m", 1, subset=("10.0.0.7:8000",)), Rejected)
     pool.set_thresholds("m", BusyThresholds(0.5, None))
     assert isinstance(sched.decide("m", 1, subset=("10.0.0.7:8000",)), Routed)
+
+
+def test_a_share_change_applies_to_gateway_known_endpoints_at_once() -> None:
+    pool, sched = make()
+    add(pool, "a", "10.0.0.1:8000", 0)
+    d = sched.decide("m", 40, subset=("10.0.0.7:8000",))
+    assert isinstance(d, Routed)
+    worker = d.ticket.worker
+    assert pool.unlisted[("10.0.0.7:8000", "m")] is worker  # made once, kept current
+    pool.set_shares([Share(), Share(active_prefill_tokens=0.3)])  # class 1: busy above 30
+    assert isinstance(sched.decide("m", 1, 1, subset=("10.0.0.7:8000",)), Rejected)
+    d2 = sched.decide("m", 1, 0, subset=("10.0.0.7:8000",))
+    assert isinstance(d2, Routed) and d2.ticket.worker is worker
+    pool.set_shares([Share(), Share()])
+    assert isinstance(sched.decide("m", 1, 1, subset=("10.0.0.7:8000",)), Routed)
+
+
+def test_a_new_gateway_known_endpoint_is_free_for_every_class() -> None:
+    pool, sched = make()
+    pool.set_shares([Share(), Share(0.5, 0.5), Share(2.0, 2.0)])
+    for variant in range(3):
+        d = sched.decide("m", 10, variant, subset=(f"10.0.0.{7 + variant}:8000",))
+        assert isinstance(d, Routed) and d.ticket.worker.busy_by_class == [False] * 3
+
+
+def test_a_worker_announced_by_host_name_is_matched_by_its_resolved_address() -> None:
+    """The gateway names pods by ``ip:port``; the worker announced ``worker-a:8000``."""
+    pool, sched = make()
+    add(pool, "a", "worker-a:8000", 0)
+    pool.set_addresses("worker-a:8000", frozenset({"10.0.0.5:8000"}))
+    d = routed(sched, ("10.0.0.5:8000",))
+    assert d.ticket.worker.worker_id == "a"
+    assert d.address == "10.0.0.5:8000"
+    pool.report_load("a", active_decode_blocks=9)  # its load is the address's load
+    decision = sched.decide("m", 10, subset=("10.0.0.5:8000",))
+    assert isinstance(decision, Rejected) and decision.outcome is Outcome.OVERLOADED
+    assert len(sched.gateway) == 0
+
+
+def test_before_its_name_resolves_a_host_name_worker_is_not_the_address() -> None:
+    pool, sched = make()
+    add(pool, "a", "worker-a:8000", 9)  # busy
+    d = routed(sched, ("10.0.0.5:8000",))
+    assert d.ticket.worker.worker_id == GATEWAY_ID_PREFIX + "10.0.0.5:8000"
+
+
+def test_the_same_host_with_another_port_is_matched_on_the_resolved_address() -> None:
+    pool, sched = make()
+    add(pool, "a", "worker-a:8000", 0)
+    pool.set_addresses("worker-a:8000", frozenset({"10.0.0.5:8000"}))
+    d = routed(sched, ("10.0.0.5:8001",))
+    assert d.ticket.worker.worker_id == "a" and d.address == "10.0.0.5:8001"
+
+
+def test_the_resolved_address_of_another_model_s_worker_is_not_a_candidate() -> None:
+    pool, sched = make()
+    add(pool, "a", "10.0.0.1:8000", 0, model="m")
+    add(pool, "b", "worker-b:8000", 0, model="other")
+    pool.set_addresses("worker-b:8000", frozenset({"10.0.0.2:8000"}))
+    assert sched.decide("m", 10, subset=("10.0.0.2:8000",)) is NO_WORKERS
 
 
 def test_a_worker_on_the_same_host_with_another_port_stands_behind_the_gateway_address() -> None:
