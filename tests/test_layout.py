@@ -15,18 +15,32 @@ ROOT = Path(__file__).resolve().parents[1]
 # metrics read the core. The entry point, the wiring and the settings may import anything
 # of the router; nothing of the router may import llmworker. The settings-table machinery
 # (flags over environment variables) serves the router and llmworker alike, so it imports
-# nothing of either.
+# nothing of either. The background-task guard (count a failure, log the first, go on) serves
+# every plane that runs a task, and imports nothing of the router.
 ALLOWED: dict[str, set[str]] = {
     "extproc.core": {"extproc.core"},
     "extproc.openai": {"extproc.openai"},
-    "extproc.events": {"extproc.events", "extproc.core", "extproc.metrics"},
+    "extproc.events": {"extproc.events", "extproc.core", "extproc.metrics", "extproc.background"},
     "extproc.metrics": {"extproc.metrics", "extproc.core"},
-    "extproc.handlers": {"extproc.handlers", "extproc.core", "extproc.openai", "extproc.metrics"},
-    "extproc.transport": {"extproc.transport"},
-    "extproc.admin": {"extproc.admin", "extproc.core", "extproc.metrics", "extproc.openai"},
+    "extproc.handlers": {
+        "extproc.handlers",
+        "extproc.core",
+        "extproc.openai",
+        "extproc.metrics",
+        "extproc.background",
+    },
+    "extproc.transport": {"extproc.transport", "extproc.background"},
+    "extproc.admin": {
+        "extproc.admin",
+        "extproc.core",
+        "extproc.metrics",
+        "extproc.openai",
+        "extproc.background",
+    },
     "extproc.devstack": {"extproc.devstack", "extproc.events", "extproc.core"},
     "extproc": {"extproc"},  # __main__, service, settings: the wiring
     "extproc.settings_table": set(),
+    "extproc.background": set(),
     "llmworker": {
         "llmworker",
         "extproc.events",

@@ -30,6 +30,8 @@ import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from extproc.background import CURVE_REFUSALS, Guard
+
 log = logging.getLogger("extproc.events.curve")
 
 # Handshake failures seen on the SUB socket, by the reason label they are counted under.
@@ -41,6 +43,10 @@ _FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: REFUSED_HANDSHAKE,
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: REFUSED_HANDSHAKE,
 }
+
+
+# After the monitor socket fails to receive, the wait before the next try.
+RECV_RETRY_SECONDS = 0.1
 
 
 class CurveKeyError(ValueError):
@@ -134,10 +140,15 @@ class CurveServer:
         secret_file: str | Path,
         publishers_dir: str | Path,
         on_refused: Callable[[str], None],
+        *,
+        guard: Guard | None = None,
     ) -> None:
         self.public, self.secret = load_key_pair(secret_file)
         self.publishers = check_publisher_dir(publishers_dir)
         self.on_refused = on_refused
+        # A monitor event that cannot be read or counted is itself counted, and the watch
+        # goes on with the next one.
+        self.guard = guard or Guard(CURVE_REFUSALS)
         self._context: zmq.Context[Any] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -160,15 +171,26 @@ class CurveServer:
         self._watch = asyncio.get_running_loop().create_task(self._count_refusals())
 
     async def _count_refusals(self) -> None:
-        assert self._monitor is not None
+        monitor = self._monitor
+        assert monitor is not None
         while True:
-            frames = await self._monitor.recv_multipart()
-            event = parse_monitor_message(frames)
-            reason = _FAILED.get(zmq.Event(event["event"]))
-            if reason is not None:
-                self.on_refused(reason)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("refused a publisher (%s) from %s", reason, event["endpoint"])
+            try:
+                frames = await monitor.recv_multipart()
+            except Exception:
+                if monitor.closed:
+                    return  # stopped
+                self.guard.failure()
+                await asyncio.sleep(RECV_RETRY_SECONDS)  # not a hot loop on a broken socket
+                continue
+            self.guard.call(self._count_refusal, frames)
+
+    def _count_refusal(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        reason = _FAILED.get(zmq.Event(event["event"]))
+        if reason is not None:
+            self.on_refused(reason)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("refused a publisher (%s) from %s", reason, event["endpoint"])
 
     def stop(self) -> None:
         if self._watch is not None:

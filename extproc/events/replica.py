@@ -20,6 +20,7 @@ from typing import Any
 import aiozmq
 import zmq
 
+from extproc.background import REPLICA_PUBLISHER, Guard
 from extproc.core.classes import ClassRegistry
 from extproc.core.peers import own_estimates
 from extproc.core.pool import WorkerPool
@@ -48,6 +49,7 @@ class ReplicaPublisher:
         curve: CurveClient | None = None,
         on_sent: Callable[[str], None] | None = None,
         classes: ClassRegistry | None = None,
+        guard: Guard | None = None,
     ) -> None:
         if not pool.replica.replica_id:
             raise ValueError("replica sharing needs the pool's replica_id")
@@ -59,6 +61,9 @@ class ReplicaPublisher:
         self.on_sent = on_sent
         self.classes = classes
         self.sent = 0
+        # A send that raises is counted and the publisher goes on: the heartbeat beats on,
+        # and the next change of the estimate is sent.
+        self.guard = guard or Guard(REPLICA_PUBLISHER)
         self._transport: Any = None
         self._pending: asyncio.TimerHandle | None = None
         self._last_sent = float("-inf")
@@ -88,7 +93,7 @@ class ReplicaPublisher:
         if self._pending is not None or self._loop is None:
             return
         delay = self._last_sent + self.min_gap - self._loop.time()
-        self._pending = self._loop.call_later(max(0.0, delay), self._send_estimate)
+        self._pending = self._loop.call_later(max(0.0, delay), self.guard.call, self._send_estimate)
 
     def _send_estimate(self) -> None:
         self._pending = None
@@ -132,13 +137,17 @@ class ReplicaPublisher:
 
     async def _beat(self) -> None:
         while True:
-            self._send_estimate()
-            for model in list(self.pool.threshold_versions.stamps):
-                self._send_thresholds(model)
-            if self.classes is not None:
-                for name in list(self.classes.versions.stamps):
-                    self._send_class(name)
+            self.guard.call(self._send_all)
             await asyncio.sleep(self.interval)
+
+    def _send_all(self) -> None:
+        """One heartbeat: the estimate, and every change made here of thresholds and classes."""
+        self._send_estimate()
+        for model in list(self.pool.threshold_versions.stamps):
+            self._send_thresholds(model)
+        if self.classes is not None:
+            for name in list(self.classes.versions.stamps):
+                self._send_class(name)
 
     def _send(self, event: EstimateEvent | ThresholdsEvent | ClassEvent | ReplicaByeEvent) -> None:
         if self._transport is None:

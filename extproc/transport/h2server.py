@@ -21,6 +21,7 @@ import asyncio
 import collections
 from collections.abc import Mapping
 
+from extproc.background import H2_KEEPALIVE, Guard
 from extproc.transport.h2.connection import H2Connection
 from extproc.transport.session import SessionFactory
 
@@ -36,6 +37,7 @@ class GrpcServer:
         keepalive_time: float = 30.0,
         keepalive_timeout: float = 10.0,
         methods: Mapping[str, SessionFactory] | None = None,
+        keepalive_guard: Guard | None = None,
     ) -> None:
         self.path = path
         self.factory = factory
@@ -45,6 +47,9 @@ class GrpcServer:
         self.keepalive_time = keepalive_time
         self.keepalive_timeout = keepalive_timeout
         self.keepalive_check = min(keepalive_time, keepalive_timeout) / 2
+        # Every connection's keepalive check runs through it: one that raises is counted and
+        # the connection's next check is armed all the same.
+        self.keepalive_guard = keepalive_guard or Guard(H2_KEEPALIVE)
         self.connections: set[H2Connection] = set()
         # Connections this server closed on an error: "protocol_error", "keepalive_timeout".
         self.closed_for: collections.Counter[str] = collections.Counter()

@@ -663,7 +663,14 @@ class H2Connection(asyncio.Protocol):
 
     def _arm_keepalive(self) -> None:
         loop = asyncio.get_running_loop()
-        self.keepalive = loop.call_later(self.server.keepalive_check, self._keepalive_tick)
+        self.keepalive = loop.call_later(self.server.keepalive_check, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        """The keepalive timer: a check that raises is counted, and the next one is armed."""
+        self.keepalive = None
+        self.server.keepalive_guard.call(self._keepalive_tick)
+        if not self.closed:
+            self._arm_keepalive()
 
     def _keepalive_tick(self) -> None:
         if self.closed:
@@ -679,4 +686,3 @@ class H2Connection(asyncio.Protocol):
             self.ping_due = now + self.server.keepalive_timeout
             self.out.append(frame(PING, 0, 0, b"extproc!"))
             self._flush()
-        self._arm_keepalive()
