@@ -4,14 +4,14 @@ One :class:`WorkerPool` lists every :class:`~extproc.core.worker.Worker` and is 
 writer of their state. The event plane tells it what workers announce
 (:meth:`~WorkerPool.announce`, :meth:`~WorkerPool.report_load`, :meth:`~WorkerPool.leave`),
 the request path records router estimates (dispatch / first token / move / release), the
-admin API sets thresholds. After every write the
-touched worker's busy flags are recomputed, so a routing decision only reads them
-(:meth:`Worker.free_for`). Plain values only: no I/O, no wire structs, and nothing is
-called back but two listeners: capacity (a request ended or reached its first token, a
-worker joined, thresholds changed: the router queue and the held requests) and load (a
-load report applied: deadline admission's measurements). Measurements such as an engine's
-own TTFT go from the event plane to deadline admission without passing through here.
-What this replica shares with the others (its id, the version stamps of threshold changes)
+admin API sets thresholds. After every write the touched worker's busy flags are
+recomputed, so a routing decision only reads them
+(:func:`~extproc.core.scheduling.is_free`). Plain values only: no I/O, no wire structs,
+and nothing is called back but two listeners: capacity (a request ended or reached its
+first token, a worker joined, thresholds changed: the router queue and the held requests)
+and load (a load report applied: deadline admission's measurements). Measurements such as
+an engine's own TTFT go from the event plane to deadline admission without passing through
+here. What this replica shares with the others (its id, the version stamps of threshold changes)
 is in :mod:`extproc.core.replica`.
 """
 
@@ -338,11 +338,6 @@ class WorkerPool:
         self.shares = list(shares)
         for worker in (*self.workers.values(), *self.unlisted.values()):
             self._recompute_limits(worker)
-
-    def adopt(self, worker: Worker) -> None:
-        """Build the busy limits of a worker this pool does not list (one known only from
-        a gateway's endpoint subset) from its model's thresholds and the shares."""
-        self._recompute_limits(worker)
 
     def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
         return rank_limits(

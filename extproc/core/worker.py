@@ -3,8 +3,8 @@ router estimates, and the busy flags a routing decision reads.
 
 A :class:`Worker` is written only by the :class:`~extproc.core.pool.WorkerPool` that lists
 it (announcements, load reports, router estimates, thresholds) and read by the decision
-(:meth:`Worker.free_for`). A :class:`Ticket` is one request dispatched to a rank, held until
-its response ends. Plain values only: no I/O, no wire structs.
+(:func:`~extproc.core.scheduling.is_free`). A :class:`Ticket` is one request dispatched to
+a rank, held until its response ends. Plain values only: no I/O, no wire structs.
 """
 
 from __future__ import annotations
@@ -157,13 +157,6 @@ class Worker:
         return (
             rank.reported_kv_total if rank.reported_kv_total is not None else self.kv_total_blocks
         )
-
-    def free_for(self, variant: int, now: float) -> bool:
-        """Whether a decision may pick this worker now for class variant ``variant`` (an
-        index of the pool's shares; 0 = the default class): not busy for it, and not
-        marked overloaded or unreachable."""
-        busy = self.busy if variant == 0 else self.busy_by_class[variant]
-        return not busy and now >= self.overloaded_until
 
     def state(self, now: float) -> str:
         """``overloaded`` (mark) else ``busy`` else ``free``: disjoint, for /health."""

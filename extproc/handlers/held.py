@@ -33,6 +33,7 @@ from typing import Any
 from extproc.core.deadline import Hold, Reject
 from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
+from extproc.core.scheduling import is_free
 from extproc.core.worker import Worker
 from extproc.metrics.registry import Metrics
 
@@ -179,7 +180,7 @@ class HeldRequests:
             w = self.waiters[h.key]
             for worker in workers:
                 wid = worker.worker_id
-                if free.get(wid, 0) <= 0 or not worker.free_for(w.variant, now):
+                if free.get(wid, 0) <= 0 or not is_free(worker, w.variant, now):
                     continue
                 if not h.fits(wid):
                     idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
@@ -199,7 +200,7 @@ class HeldRequests:
         workers = [
             wk
             for wk in self.pool.by_model.get(w.model, ())
-            if wk.configured and wk.free_for(w.variant, now)
+            if wk.configured and is_free(wk, w.variant, now)
         ]
         target = self.admission.target_s(w.model, w.class_name)
         if not workers or target is None:

@@ -52,6 +52,7 @@ from extproc.core.scheduling import (
     Rejected,
     Routed,
     Scheduler,
+    is_free,
 )
 from extproc.core.worker import Rank, Worker
 from extproc.handlers import replies
@@ -565,7 +566,7 @@ class ExtProcHandler:
             return self._reply(st, MODEL_NOT_FOUND if pool.by_model else NO_WORKERS)
         now = pool.clock()
         variant = st.variant
-        candidates = [w for w in workers if w.free_for(variant, now)]
+        candidates = [w for w in workers if is_free(w, variant, now)]
         if not candidates:  # every worker busy by the thresholds: today's answer
             return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
         decision, preds = self.admission.decide(
@@ -607,7 +608,7 @@ class ExtProcHandler:
         others = [
             w
             for w in self.pool.by_model.get(st.model, ())
-            if w is not worker and w.free_for(variant, now) and w.endpoint != worker.endpoint
+            if w is not worker and is_free(w, variant, now) and w.endpoint != worker.endpoint
         ]
         if preds is not None:
             order = {p.worker: (p.ttft if p.ttft is not None else float("inf")) for p in preds}

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from extproc.admin.diagnostics import worker_view
 from extproc.core.busy import BusyThresholds
 from extproc.core.pool import WorkerPool
-from extproc.core.scheduling import Scheduler
+from extproc.core.scheduling import Scheduler, is_free
 from extproc.core.worker import Ticket
 from extproc.handlers.processor import (
     REQUEST_NAMESPACE,
@@ -624,11 +624,11 @@ def test_the_estimate_follows_the_host_that_served_the_response() -> None:
     assert counter(handler, "extproc_served_elsewhere_total", model="m", served="worker") == 1
     # The pick refused it (Envoy retried): skipped until its next load report or 1 s.
     now = pool.clock()
-    assert not pick.free_for(0, now) and other.free_for(0, now)
+    assert not is_free(pick, 0, now) and is_free(other, 0, now)
     session.close()
     assert inflight() == (0, 0)
     pool.report_load(pick.worker_id, active_decode_blocks=0)
-    assert pick.free_for(0, pool.clock())
+    assert is_free(pick, 0, pool.clock())
 
     session, ticket = routed()
     reply(
