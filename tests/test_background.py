@@ -147,13 +147,14 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
     stop = asyncio.Event()
     caplog.set_level(logging.ERROR, logger="extproc")
     served = asyncio.create_task(service.serve(settings, stop))
-    # A publisher without CURVE: refused at every (re)connection, each one a monitor event.
-    intruder = EventPublisher(
-        events,
-        ConfigEvent(worker_id="intruder", model="m", endpoint=f"127.0.0.1:{_free_port()}"),
-        reconnect_ivl=0.05,
-        reconnect_ivl_max=0.05,
-    )
+    # Publishers without CURVE: each refused at least once, each refusal a monitor event.
+    intruders = [
+        EventPublisher(
+            events,
+            ConfigEvent(worker_id=f"intruder{i}", model="m", endpoint=f"127.0.0.1:{_free_port()}"),
+        )
+        for i in range(FAILURES + 3)
+    ]
     envoy: socket.socket | None = None
     try:
         # One series per task, at 0, before any has failed.
@@ -165,7 +166,8 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         # A connection for the keepalive check to watch, a publisher for CURVE to refuse.
         envoy = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", grpc_port), 5)
         envoy.sendall(H2_PREFACE)
-        await intruder.start()
+        for intruder in intruders:
+            await intruder.start()
         # Each task fails FAILURES times, then runs on: its step is called again after.
         try:
             await _until(
@@ -181,7 +183,8 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         # The refusals after the failures were counted: the watch really went on.
         assert await asyncio.to_thread(_refused, admin) >= 3
     finally:
-        await intruder.close()
+        for intruder in intruders:
+            await intruder.close()
         if envoy is not None:
             envoy.close()
         stop.set()
