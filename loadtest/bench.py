@@ -7,15 +7,20 @@ costs the same on both paths and is never the bottleneck. Load comes from ``wrk`
 (keep-alive HTTP/1.1, short non-streaming POSTs). Runs alternate direct / extproc for
 several rounds; the report gives medians across rounds and the difference.
 
-``--prompt-sizes short 1k 64k 512k`` repeats every case with a chat body of about that
-many bytes (the prompt is in the one user message; ``model`` is the first key), so the
-cost against prompt size is measured side by side with the direct path in one run.
+Every case runs with the short prompt and again with chat bodies of about 64 KB and 512 KB
+(``--prompt-sizes short 1k 64k 512k`` picks others; the prompt is in the one user message,
+``model`` is the first key), so the cost against prompt size is measured side by side with
+the direct path in one run.
 Rejections are measured in two states: ``all`` (every worker of every model busy: the
 answer cannot depend on the body) and ``model`` (the requested model's only worker is
 busy, another model has a free one: the body must be read to know the model).
 CPU per request is read from /proc for Envoy and the extproc around each run.
 ``--grpc-server builtin grpcio`` measures both gRPC servers in the same run (one
 extproc and one Envoy each, all runs alternating).
+
+Every run of wrk goes into ``docs/bench-results.json`` (``--out DIR`` elsewhere), with the
+command, the time, ``/proc/loadavg`` before and after and the machine; ``bench-results.md``,
+generated from that JSON, holds the medians, the goals with their verdicts and the profiles.
 
     python -m loadtest.bench [--duration 5] [--rounds 3] [--response-phase SEND|SKIP]
                              [--grpc-server builtin grpcio] [--prompt-sizes short 64k 512k]
@@ -34,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +58,8 @@ from extproc.devstack import (
     metric_value,
     wait_until,
 )
+from loadtest import resultfile
+from loadtest.resultfile import median
 
 BODY = {
     "model": "bench",
@@ -245,11 +251,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def profile_run(out: Path, pids: list[int], run: Any) -> None:
+def profile_run(out: Path, pids: list[int], run: Any) -> dict[str, Any]:
     """Profile Envoy (perf, ``pids[0]``) and the extproc (py-spy, ``pids[1]``) during ``run``.
 
     Writes ``out``-envoy.txt (perf report, self time by symbol) and ``out``-extproc.txt
-    (py-spy's collapsed stacks: self samples by function, then whole stacks)."""
+    (py-spy's collapsed stacks: self samples by function, then whole stacks). Returns what
+    ``run`` returned, the extproc's CPU share of a core over it, and the py-spy summary
+    (``[percent of samples, function]``, highest first) for the results file."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     tools = []
     perf_data = out.with_suffix(".perf.data")
@@ -276,17 +284,39 @@ def profile_run(out: Path, pids: list[int], run: Any) -> None:
     if Path(spy).exists():
         tools.append(
             subprocess.Popen(
-                [spy, "record", "-r", "200", "-p", str(pids[1]), "-f", "raw", "-o", str(collapsed)],
+                [
+                    spy,
+                    "record",
+                    "--gil",
+                    "-r",
+                    "200",
+                    "-p",
+                    str(pids[1]),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(collapsed),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
         )
     time.sleep(1.0)  # both attached
+    cpu0, t0 = [cpu_seconds(pid) for pid in pids], time.monotonic()
     result = run()
+    wall = time.monotonic() - t0
+    shares = [(cpu_seconds(pid) - c) / wall for pid, c in zip(pids, cpu0, strict=True)]
     for t in tools:
         t.send_signal(signal.SIGINT)
     for t in tools:
         t.wait(30)
+    summary: dict[str, Any] = {
+        "run": result,
+        "envoy_core_share": shares[0],
+        "extproc_core_share": shares[1],
+        "extproc_self": [],
+        "perf": perf_data.exists(),
+    }
     if perf_data.exists():
         report = subprocess.run(
             ["perf", "report", "-i", str(perf_data), "--no-children", "--stdio", "-g", "none",
@@ -296,17 +326,27 @@ def profile_run(out: Path, pids: list[int], run: Any) -> None:
         Path(f"{out}-envoy.txt").write_text(f"run: {result}\n{report}")
         perf_data.unlink()
     if collapsed.exists():
-        self_time: dict[str, int] = {}
-        total = 0
-        lines = collapsed.read_text().splitlines()
-        for line in lines:
-            stack, _, n = line.rpartition(" ")
-            total += int(n)
-            leaf = stack.rsplit(";", 1)[-1]
-            self_time[leaf] = self_time.get(leaf, 0) + int(n)
-        top = sorted(self_time.items(), key=lambda kv: -kv[1])[:30]
-        text = "\n".join(f"{n * 100 / max(total, 1):5.1f}%  {leaf}" for leaf, n in top)
+        top = self_time(collapsed.read_text().splitlines())
+        summary["extproc_self"] = top
+        text = "\n".join(f"{pct:5.1f}%  {leaf}" for pct, leaf in top)
         Path(f"{out}-extproc.txt").write_text(f"run: {result}\nself time by function:\n{text}\n")
+    return summary
+
+
+def self_time(collapsed: list[str], top: int = 30) -> list[list[Any]]:
+    """py-spy's raw (collapsed) stacks, ``a;b;leaf N`` a line: the share of samples each
+    leaf function took, in percent to 0.1, highest first, at most ``top``."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in collapsed:
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        leaf = stack.rsplit(";", 1)[-1]
+        counts[leaf] = counts.get(leaf, 0) + int(n)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return [[round(n * 100 / max(total, 1), 1), leaf] for leaf, n in ranked]
 
 
 def _label(kind: str, servers: list[str], path: str, paths: list[str]) -> str:
@@ -314,7 +354,171 @@ def _label(kind: str, servers: list[str], path: str, paths: list[str]) -> str:
     return f"extproc ({', '.join(parts)})" if parts else "extproc"
 
 
-def main() -> int:
+# --- the results file -----------------------------------------------------------------------
+
+RESULTS_NAME = "bench"
+METRICS = ("p50", "p99", "rps", "cpu0", "cpu1", "share0", "share1")
+
+
+def medians(data: dict[str, Any]) -> dict[tuple[str, str, int, str], dict[str, float]]:
+    """(prompt, case, concurrency, path) -> the median of each metric over its rounds."""
+    groups: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
+    for r in data["runs"]:
+        groups.setdefault((r["prompt"], r["case"], r["concurrency"], r["path"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        out[key] = {
+            m: median([r[m] for r in rs]) for m in METRICS if all(r.get(m) is not None for r in rs)
+        }
+    return out
+
+
+def goal_factor(prompt: str) -> int:
+    """The goals hold as they are for short prompts, and within 2x for larger ones."""
+    return 1 if prompt == "short" else 2
+
+
+def goals(data: dict[str, Any]) -> list[str]:
+    """One line per goal and extproc path, from the medians: the figure, the bound, the
+    verdict. A goal whose runs are not in the file is left out."""
+    med = medians(data)
+    s = data["settings"]
+    many = len(data["paths"]) > 2
+    lines = []
+    for prompt in s["prompt_sizes"]:
+        f = goal_factor(prompt)
+        for path in data["paths"]:
+            if path == "direct":
+                continue
+            who = f"{prompt}, {path}" if many else prompt
+            d1, e1 = med.get((prompt, "ok", 1, "direct")), med.get((prompt, "ok", 1, path))
+            if d1 and e1:
+                for q, bound in (("p50", 0.5 * f), ("p99", 1.5 * f)):
+                    added = e1[q] - d1[q]
+                    lines.append(
+                        f"- {who}: added latency at c=1, {q}: {added:+.3f} ms vs ≤ "
+                        f"+{bound:g} ms: {resultfile.verdict(added <= bound)}"
+                    )
+            d32, e32 = med.get((prompt, "ok", 32, "direct")), med.get((prompt, "ok", 32, path))
+            if d32 and e32:
+                ratio, bound = e32["rps"] / d32["rps"], 0.8 / f
+                lines.append(
+                    f"- {who}: accepted req/s at c=32: {ratio:.2f}x direct vs ≥ {bound:g}x: "
+                    f"{resultfile.verdict(ratio >= bound)}"
+                )
+            busy = med.get((prompt, "all", 32, path))
+            if d32 and busy:
+                ratio, bound = busy["rps"] / d32["rps"], 2.0 / f
+                lines.append(
+                    f"- {who}: rejections/s with every worker busy at c=32: {ratio:.2f}x "
+                    f"direct's accepted req/s vs ≥ {bound:g}x: {resultfile.verdict(ratio >= bound)}"
+                )
+    return lines
+
+
+TABLE_HEAD = (
+    "| prompt | c | path | p50 ms | p99 ms | req/s | Envoy µs/req | extproc µs/req "
+    "| Envoy core | extproc core |"
+)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    med = medians(data)
+    s = data["settings"]
+    rows = [TABLE_HEAD, "|---|---|---|---|---|---|---|---|---|---|"]
+    for prompt in s["prompt_sizes"]:
+        for c in s["concurrency"]:
+            dv = med.get((prompt, "ok", c, "direct"))
+            if dv is None:
+                continue
+            rows.append(
+                f"| {prompt} | {c} | direct | {dv['p50']:.3f} | {dv['p99']:.3f} "
+                f"| {dv['rps']:.0f} | {dv['cpu0']:.0f} | — | {_pct(dv.get('share0'))} | — |"
+            )
+            for path in data["paths"]:
+                e = med.get((prompt, "ok", c, path))
+                if path == "direct" or e is None:
+                    continue
+                rows.append(
+                    f"| {prompt} | {c} | {path} | {e['p50']:.3f} | {e['p99']:.3f} "
+                    f"| {e['rps']:.0f} | {e['cpu0']:.0f} | {e['cpu1']:.0f} "
+                    f"| {_pct(e.get('share0'))} | {_pct(e.get('share1'))} |"
+                )
+                rows.append(
+                    f"| {prompt} | {c} | {path}: added / ratio | {e['p50'] - dv['p50']:+.3f} "
+                    f"| {e['p99'] - dv['p99']:+.3f} | {e['rps'] / dv['rps']:.2f}x "
+                    f"| {e['cpu0'] / dv['cpu0']:.2f}x | | | |"
+                )
+        for case in s["busy_cases"]:
+            d32 = med.get((prompt, "ok", 32, "direct"))
+            for path in data["paths"]:
+                b = med.get((prompt, case, 32, path))
+                if path == "direct" or b is None:
+                    continue
+                ratio = f" ({b['rps'] / d32['rps']:.2f}x direct)" if d32 else ""
+                what = "every worker busy" if case == "all" else "model busy"
+                rows.append(
+                    f"| {prompt} | 32 | {path}, {what} (529) | {b['p50']:.3f} | {b['p99']:.3f} "
+                    f"| {b['rps']:.0f}{ratio} | {b['cpu0']:.0f} | {b['cpu1']:.0f} "
+                    f"| {_pct(b.get('share0'))} | {_pct(b.get('share1'))} |"
+                )
+    return rows
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown report of a ``make bench`` run, from its results JSON."""
+    s = data["settings"]
+    parts = [
+        resultfile.header(
+            "Request path: Envoy straight to the worker vs through the extproc", data["run"]
+        ),
+        f"wrk -t1 keep-alive HTTP/1.1 non-streaming chat POSTs, {s['duration']:g} s per run, "
+        f"rounds alternating between the paths: {s['rounds']}, medians of the rounds. The worker "
+        "is an Envoy answering a fixed chat completion (`direct_response`); `direct` is a "
+        "listener of the extproc path's Envoy with only the router, on the same cluster. "
+        f"Envoy config `{s['config']}`, ext_proc response_header_mode "
+        f"{s['response_phase'] or 'as configured'}, gRPC server {', '.join(s['grpc_servers'])}, "
+        f"request path {', '.join(s['request_paths'])}. µs/req: user + system CPU (from "
+        "`/proc`) per request; core: the process's CPU over the run's wall time (100 % = one "
+        "core). Prompt sizes are JSON bodies of about that many bytes.\n",
+        "\n".join(table(data)) + "\n",
+    ]
+    lines = goals(data)
+    if lines:
+        parts.append(
+            "### Goals\n\nAt concurrency 1 the added latency is the extproc path's median p50 "
+            "(p99) minus the direct path's; at concurrency 32, ratios of median req/s. Prompts "
+            "other than `short` are held to the same goals within 2x (added latency bounds "
+            "doubled, ratios halved).\n\n" + "\n".join(lines) + "\n"
+        )
+    if data.get("decisions"):
+        parts.append(
+            "### Decisions\n\n"
+            + "\n".join(
+                f"- {path}: routed {d['routed']:g}, overloaded {d['overloaded']:g}"
+                for path, d in data["decisions"].items()
+            )
+            + "\n"
+        )
+    for prof in data.get("profiles", []):
+        run = prof["run"]
+        top = "\n".join(f"| {pct:.1f} % | `{leaf}` |" for pct, leaf in prof["extproc_self"][:12])
+        parts.append(
+            f"### Profile: {prof['prompt']}, {prof['case']}, c=32, {prof['path']}\n\n"
+            f"One more run under py-spy (200 samples/s, those holding the GIL): {run['rps']:.0f} "
+            f"req/s, p50 "
+            f"{run['p50']:.3f} ms. Envoy used {prof['envoy_core_share']:.0%} of a core, the "
+            f"extproc {prof['extproc_core_share']:.0%}. The extproc's self time by function "
+            "(share of its samples):\n\n| samples | function |\n|---|---|\n" + top + "\n"
+        )
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0]
     )
@@ -325,9 +529,10 @@ def main() -> int:
         "--prompt-sizes",
         type=prompt_size,
         nargs="+",
-        default=[None],
+        default=[None, 64 * 1024, 512 * 1024],
         metavar="SIZE",
-        help="request body sizes: 'short' (default) and/or bytes as 1k, 64k, 512k",
+        help="request body sizes: 'short' and/or bytes as 1k, 64k, 512k (default: short 64k "
+        "512k, the sizes the goals name)",
     )
     parser.add_argument(
         "--busy-cases",
@@ -378,9 +583,31 @@ def main() -> int:
         default=None,
         metavar="DIR",
         help="after the runs, profile one c=32 run per prompt size: the extproc with py-spy "
-        "(pip install py-spy) and Envoy with perf (Debian: linux-perf); summaries in DIR",
+        "(pip install py-spy) and Envoy with perf (Debian: linux-perf); summaries in DIR, "
+        "the extproc's in the results file too",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=resultfile.DOCS,
+        metavar="DIR",
+        help=f"where {RESULTS_NAME}-results.json and .md are written (default: docs/)",
+    )
+    parser.add_argument(
+        "--name",
+        default=RESULTS_NAME,
+        help="the results files' name, NAME-results.json and .md, so that a run of other "
+        "options does not replace the default run's (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"[\w.-]+", args.name):
+        parser.error(f"--name: {args.name!r} is not a file name; expected letters, digits, . _ -")
+    for flag, values in (("--concurrency", args.concurrency), ("--rounds", [args.rounds])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            parser.error(f"{flag}: {bad[0]} is not a count of 1 or more")
+    if not args.duration > 0:
+        parser.error(f"--duration: {args.duration:g} is not a positive number of seconds")
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install wrk", file=sys.stderr)
         return 2
@@ -390,7 +617,17 @@ def main() -> int:
     if not config.is_file():
         print(f"--config: {args.config!r} is not a file here or under envoy/", file=sys.stderr)
         return 2
+    run = resultfile.Run(
+        resultfile.command_line("loadtest.bench", sys.argv[1:] if argv is None else argv)
+    )
+    data = measure(args, config)
+    data["run"] = run.finish()
+    print(resultfile.write(args.out, args.name, data, render))
+    return 0
 
+
+def measure(args: argparse.Namespace, config: Path) -> dict[str, Any]:
+    """Every run of the benchmark, as plain values for the results file."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
     procs: list[Any] = []
     try:
@@ -474,14 +711,20 @@ def main() -> int:
                 )
 
         def measured(name: str, body: dict[str, Any], conns: int) -> dict[str, float]:
-            before = [cpu_seconds(pid) for pid in pids[name]]
-            try:
-                r = run_wrk(urls[name], body, conns, args.duration, tmp)
-            except RuntimeError:  # one bad run (a loaded machine): once more
+            def once() -> tuple[dict[str, float], list[float], float]:
                 before = [cpu_seconds(pid) for pid in pids[name]]
+                t0 = time.monotonic()
                 r = run_wrk(urls[name], body, conns, args.duration, tmp)
+                return r, before, time.monotonic() - t0
+
+            try:
+                r, before, wall = once()
+            except RuntimeError:  # one bad run (a loaded machine): once more
+                r, before, wall = once()
             for i, pid in enumerate(pids[name]):
-                r[f"cpu{i}"] = (cpu_seconds(pid) - before[i]) / max(r["total"], 1) * 1e6
+                used = cpu_seconds(pid) - before[i]
+                r[f"cpu{i}"] = used / max(r["total"], 1) * 1e6
+                r[f"share{i}"] = used / wall
             print(
                 f"  {name} c={conns} {body['model']} {len(json.dumps(body))} B: {r}",
                 file=sys.stderr,
@@ -492,14 +735,13 @@ def main() -> int:
         for url in urls.values():  # warm up connections and caches
             run_wrk(url, BODY, 4, 1, tmp)
 
-        # (size, case, concurrency, path) -> runs; case "ok" = accepted requests.
-        results: dict[tuple[str, str, int, str], list[dict[str, float]]] = {}
+        runs: list[dict[str, Any]] = []
         sizes = [size_label(s) for s in args.prompt_sizes]
         for size, label in zip(args.prompt_sizes, sizes, strict=True):
             body = chat_body("bench", size)
             set_busy({"busy-1"})
             for conns in args.concurrency:
-                for _ in range(args.rounds):
+                for rnd in range(args.rounds):
                     for name in urls:
                         r = measured(name, body, conns)
                         if r["non2xx"]:
@@ -508,97 +750,67 @@ def main() -> int:
                                 f"{name} c={conns} {label}: {r['non2xx']} non-2xx, e.g. "
                                 f"{sample[0]} {sample[2][:200]!r}"
                             )
-                        results.setdefault((label, "ok", conns, name), []).append(r)
+                        runs.append({"prompt": label, "case": "ok", "concurrency": conns,
+                                     "path": name, "round": rnd + 1, **r})  # fmt: skip
             for case in args.busy_cases:
                 set_busy({"bench-1", "busy-1"} if case == "all" else {"busy-1"})
                 busy_body = chat_body("bench" if case == "all" else "busy", size)
-                for _ in range(args.rounds):
+                for rnd in range(args.rounds):
                     for name in urls:
                         if name == "direct":
                             continue
                         r = measured(name, busy_body, 32)
                         assert r["non2xx"] == r["total"], f"{name}: expected only 529s"
-                        results.setdefault((label, case, 32, name), []).append(r)
+                        runs.append({"prompt": label, "case": case, "concurrency": 32,
+                                     "path": name, "round": rnd + 1, **r})  # fmt: skip
             set_busy({"busy-1"})
 
+        profiles = []
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
             name = next(n for n in urls if n != "direct")
             for size, label in zip(args.prompt_sizes, sizes, strict=True):
                 for case, model in (("ok", "bench"), ("all", "bench")):
                     set_busy({"bench-1", "busy-1"} if case == "all" else {"busy-1"})
-                    profile_run(
+                    summary = profile_run(
                         args.profile / f"{label}-{case}",
                         pids[name],
                         lambda model=model, size=size: run_wrk(
                             urls[name], chat_body(model, size), 32, args.duration, tmp
                         ),
                     )
+                    profiles.append({"prompt": label, "case": case, "path": name, **summary})
             set_busy({"busy-1"})
 
-        def med(rs: list[dict[str, float]], key: str) -> float:
-            return statistics.median(r[key] for r in rs)
-
-        phase = args.response_phase or "as configured"
-        print(
-            f"\nwrk -t1, {args.duration:g} s per run, {args.rounds} alternating rounds, "
-            "medians; worker = Envoy direct_response; one Envoy per extproc, same cluster; "
-            f"ext_proc response_header_mode {phase}; {config.name}; "
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end\n"
-        )
-        print("| prompt | c | path | p50 ms | p99 ms | req/s | Envoy µs/req | extproc µs/req |")
-        print("|---|---|---|---|---|---|---|---|")
-        for label in sizes:
-            for conns in args.concurrency:
-                d = results[(label, "ok", conns, "direct")]
-                dv = {k: med(d, k) for k in ("p50", "p99", "rps", "cpu0")}
-                print(
-                    f"| {label} | {conns} | direct | {dv['p50']:.3f} | {dv['p99']:.3f} "
-                    f"| {dv['rps']:.0f} | {dv['cpu0']:.0f} | — |"
-                )
-                for name in urls:
-                    if name == "direct":
-                        continue
-                    rs = results[(label, "ok", conns, name)]
-                    e = {k: med(rs, k) for k in ("p50", "p99", "rps", "cpu0", "cpu1")}
-                    print(
-                        f"| {label} | {conns} | {name} | {e['p50']:.3f} | {e['p99']:.3f} "
-                        f"| {e['rps']:.0f} | {e['cpu0']:.0f} | {e['cpu1']:.0f} |"
-                    )
-                    print(
-                        f"| {label} | {conns} | {name}: added / ratio | +{e['p50'] - dv['p50']:.3f}"
-                        f" | +{e['p99'] - dv['p99']:.3f} | {e['rps'] / dv['rps']:.2f}x "
-                        f"| {e['cpu0'] / dv['cpu0']:.2f}x | |"
-                    )
-            for case in args.busy_cases:
-                dv_rps = (
-                    med(results[(label, "ok", 32, "direct")], "rps")
-                    if 32 in args.concurrency
-                    else 0
-                )
-                for name in urls:
-                    if name == "direct":
-                        continue
-                    rs = results[(label, case, 32, name)]
-                    ratio = f" ({med(rs, 'rps') / dv_rps:.2f}x direct)" if dv_rps else ""
-                    what = "every worker busy" if case == "all" else "model busy"
-                    print(
-                        f"| {label} | 32 | {name}, {what} (529) | {med(rs, 'p50'):.3f} "
-                        f"| {med(rs, 'p99'):.3f} | {med(rs, 'rps'):.0f}{ratio} "
-                        f"| {med(rs, 'cpu0'):.0f} | {med(rs, 'cpu1'):.0f} |"
-                    )
+        decisions = {}
         for kind, ext in exts.items():
             text = ext.metrics()
-            routed, over = (
-                metric_value(text, "extproc_decisions_total", {"outcome": outcome}) or 0
+            decisions[kind] = {
+                outcome: metric_value(text, "extproc_decisions_total", {"outcome": outcome}) or 0
                 for outcome in ("routed", "overloaded")
-            )
-            print(f"\n{kind} decisions: routed={routed:g} overloaded={over:g}")
-        return 0
+            }
+        settings = {
+            "duration": args.duration,
+            "rounds": args.rounds,
+            "concurrency": args.concurrency,
+            "prompt_sizes": sizes,
+            "busy_cases": args.busy_cases,
+            "response_phase": args.response_phase,
+            "config": config.name,
+            "grpc_servers": servers,
+            "request_paths": args.request_path,
+            "extproc_args": args.extproc_arg,
+        }
+        return {
+            "settings": settings,
+            "paths": list(urls),
+            "runs": runs,
+            "profiles": profiles,
+            "decisions": decisions,
+        }
     finally:
         for p in reversed(procs):
             p.stop()
-        time.sleep(0)
 
 
 if __name__ == "__main__":

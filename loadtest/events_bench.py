@@ -15,6 +15,10 @@ event stream does to the request path, side by side in one run.
     python -m loadtest.events_bench [--rate 50000] [--duration 5] [--rounds 3]
     python -m loadtest.events_bench --ingest-only          # part 1 alone (no wrk needed)
 
+Writes ``docs/events-results.json`` (every run, with the command, the time, ``/proc/loadavg``
+before and after and the machine; ``--out DIR`` elsewhere) and ``events-results.md`` generated
+from it, with the goals and their verdicts.
+
 The publisher is this script run with ``--publish ENDPOINT``; it prints what it sent as JSON.
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +49,9 @@ from extproc.devstack import (
     python_module,
     wait_until,
 )
+from loadtest import resultfile
 from loadtest.bench import BODY, add_direct_listener, cpu_seconds, run_wrk, worker_config
+from loadtest.resultfile import median
 
 THRESHOLD = 1000  # --active-prefill-tokens-threshold: the bench worker stays under it
 EVENT_MODEL = "events"  # the event-only workers serve a model no request asks for
@@ -213,7 +218,11 @@ def ingest(ext: Extproc, workers: int, seconds: float) -> dict[str, float]:
     }
 
 
-def main() -> int:
+RESULTS_NAME = "events"
+INGEST_GOAL = 50_000  # load events/s
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.events_bench", description=__doc__.split("\n\n")[0]
     )
@@ -224,17 +233,44 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per case")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=resultfile.DOCS,
+        metavar="DIR",
+        help=f"where {RESULTS_NAME}-results.json and .md are written (default: docs/)",
+    )
     parser.add_argument("--publish", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=5.0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.publish:
         return publish(args.publish, args.workers, args.rate, args.seconds)
     if not args.ingest_only and not shutil.which("wrk"):
         print("wrk not found: apt-get install wrk (or --ingest-only)", file=sys.stderr)
         return 2
+    run = resultfile.Run(
+        resultfile.command_line("loadtest.events_bench", sys.argv[1:] if argv is None else argv)
+    )
+    data = measure(args)
+    data["run"] = run.finish()
+    print(resultfile.write(args.out, RESULTS_NAME, data, render))
+    ing = data["ingest"]
+    return 1 if args.ingest_only and ing["received"] != ing["sent"] else 0
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The ingest window and every wrk run, as plain values for the results file."""
     tmp = Path(tempfile.mkdtemp(prefix="events-bench-"))
     procs: list[Any] = []
+    settings = {
+        "rate": args.rate,
+        "workers": args.workers,
+        "ingest_seconds": args.ingest_seconds,
+        "ingest_only": args.ingest_only,
+        "duration": args.duration,
+        "rounds": args.rounds,
+        "concurrency": args.concurrency,
+    }
     try:
         wport, wadmin = free_port(), free_port()
         (tmp / "worker.json").write_text(json.dumps(worker_config([wport], wadmin)))
@@ -258,21 +294,9 @@ def main() -> int:
         announce_event_workers(ext, pub, args.workers, endpoint)
 
         ing = ingest(ext, args.workers, args.ingest_seconds)
-        print(
-            f"\nIngest, publisher as fast as it can for {args.ingest_seconds:g} s "
-            f"({args.workers + 1} workers, msgpack load events):\n"
-        )
-        print("| publisher sent/s | extproc ingested/s | extproc CPU per event | "
-              "extproc CPU | publisher CPU | received / sent | seq gaps |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
-        print(
-            f"| {ing['publisher_rate']:,.0f} | **{ing['ingested_rate']:,.0f}** | "
-            f"{ing['cpu_us_per_event']:.1f} µs | {ing['extproc_cpu_share']:.0%} of a core | "
-            f"{ing['publisher_cpu_share']:.0%} of a core | "
-            f"{ing['received']:,.0f} / {ing['sent']:,.0f} | {ing['lost_seq']:,.0f} |"
-        )
+        print(f"ingest: {ing}", file=sys.stderr, flush=True)
         if args.ingest_only:
-            return 0 if ing["received"] == ing["sent"] else 1
+            return {"settings": settings, "ingest": ing, "runs": []}
 
         direct_port = free_port()
         envoy = Envoy(
@@ -284,16 +308,17 @@ def main() -> int:
         for url in urls.values():
             run_wrk(url, BODY, 4, 1, tmp)
 
-        results: dict[tuple[str, bool, int], list[dict[str, float]]] = {}
+        runs: list[dict[str, Any]] = []
         for conns in args.concurrency:
-            for _ in range(args.rounds):
+            for rnd in range(args.rounds):
                 for name, url in urls.items():
                     for events in (False, True):
                         r = one_run(ext, url, conns, args, tmp, events, name == "extproc")
                         assert r["non2xx"] == 0, f"{name} c={conns}: {r['non2xx']} non-2xx"
-                        results.setdefault((name, events, conns), []).append(r)
-        report(results, args)
-        return 0
+                        print(f"  {name} c={conns} events={events}: {r}", file=sys.stderr)
+                        runs.append({"path": name, "events": events, "concurrency": conns,
+                                     "round": rnd + 1, **r})  # fmt: skip
+        return {"settings": settings, "ingest": ing, "runs": runs}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -329,37 +354,141 @@ def one_run(
     return r
 
 
-def report(results: dict[tuple[str, bool, int], list[dict[str, float]]], args: Any) -> None:
-    def med(rs: list[dict[str, float]], key: str) -> float:
-        return statistics.median(r[key] for r in rs)
+# --- the report, from the results JSON --------------------------------------------------------
 
-    print(
-        f"\nRequests with and without {args.rate:,.0f} load events/s, wrk -t1, "
-        f"{args.duration:g} s per run, {args.rounds} alternating rounds, medians:\n"
+INGEST_HEAD = (
+    "| publisher sent/s | extproc ingested/s | extproc CPU per event | "
+    "extproc CPU | publisher CPU | received / sent | seq gaps |"
+)
+RUNS_HEAD = (
+    "| concurrency | path | events/s ingested | loop on events | p50 ms | p99 ms "
+    "| req/s | extproc CPU/request µs |"
+)
+
+
+def ingest_row(ing: dict[str, Any]) -> str:
+    return (
+        f"| {ing['publisher_rate']:,.0f} | **{ing['ingested_rate']:,.0f}** | "
+        f"{ing['cpu_us_per_event']:.1f} µs | {ing['extproc_cpu_share']:.0%} of a core | "
+        f"{ing['publisher_cpu_share']:.0%} of a core | "
+        f"{ing['received']:,.0f} / {ing['sent']:,.0f} | {ing['lost_seq']:,.0f} |"
     )
-    print("| concurrency | path | events/s ingested | loop on events | p50 ms | p99 ms "
-          "| req/s | extproc CPU/request µs |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for conns in args.concurrency:
+
+
+def medians(data: dict[str, Any]) -> dict[tuple[str, bool, int], dict[str, float | None]]:
+    """(path, events, concurrency) -> the median of each measure over the rounds."""
+    groups: dict[tuple[str, bool, int], list[dict[str, Any]]] = {}
+    for r in data["runs"]:
+        groups.setdefault((r["path"], r["events"], r["concurrency"]), []).append(r)
+    out: dict[tuple[str, bool, int], dict[str, float | None]] = {}
+    for key, rs in groups.items():
+        out[key] = {}
+        for m in ("p50", "p99", "rps", "events_rate", "loop_share", "ext_cpu_us"):
+            values = [r[m] for r in rs if r.get(m) is not None]
+            out[key][m] = median(values) if values else None
+    return out
+
+
+def runs_table(data: dict[str, Any]) -> list[str]:
+    med = medians(data)
+    rows = [RUNS_HEAD, "|---|---|---|---|---|---|---|---|"]
+    for conns in data["settings"]["concurrency"]:
         for name in ("direct", "extproc"):
-            base = results[(name, False, conns)]
-            for events in (False, True):
-                rs = results[(name, events, conns)]
-                cpu = med(rs, "ext_cpu_us")
-                print(
+            base = med.get((name, False, conns))
+            ev = med.get((name, True, conns))
+            if base is None or ev is None:
+                continue
+            for events, m in ((False, base), (True, ev)):
+                cpu = m["ext_cpu_us"]
+                rows.append(
                     f"| {conns} | {name}{' + events' if events else ''} | "
-                    f"{med(rs, 'events_rate'):,.0f} | {med(rs, 'loop_share'):.0%} | "
-                    f"{med(rs, 'p50'):.3f} | "
-                    f"{med(rs, 'p99'):.3f} | {med(rs, 'rps'):.0f} | "
-                    f"{'—' if cpu != cpu else f'{cpu:.0f}'} |"
+                    f"{m['events_rate']:,.0f} | {m['loop_share']:.0%} | {m['p50']:.3f} | "
+                    f"{m['p99']:.3f} | {m['rps']:.0f} | {'—' if cpu is None else f'{cpu:.0f}'} |"
                 )
-            ev = results[(name, True, conns)]
-            print(
+            rows.append(
                 f"| {conns} | {name}: events added / ratio | | | "
-                f"+{med(ev, 'p50') - med(base, 'p50'):.3f} | "
-                f"+{med(ev, 'p99') - med(base, 'p99'):.3f} | "
-                f"{med(ev, 'rps') / med(base, 'rps'):.2f}x | |"
+                f"{_n(ev['p50']) - _n(base['p50']):+.3f} | "
+                f"{_n(ev['p99']) - _n(base['p99']):+.3f} | "
+                f"{_n(ev['rps']) / _n(base['rps']):.2f}x | |"
             )
+    return rows
+
+
+def _n(value: float | None) -> float:
+    if value is None:
+        raise ValueError("a run without the measure")
+    return value
+
+
+def goals(data: dict[str, Any]) -> list[str]:
+    """The ingest goal, and the request goals with events flowing: the extproc path with
+    events against the direct path with the same events (so the publisher's own CPU on the
+    shared cores counts on both sides)."""
+    ing = data["ingest"]
+    lines = [
+        f"- ingest: {ing['ingested_rate']:,.0f} load events/s vs ≥ {INGEST_GOAL:,}/s: "
+        f"{resultfile.verdict(ing['ingested_rate'] >= INGEST_GOAL)}"
+    ]
+    med = medians(data)
+    rate = data["settings"]["rate"]
+    d1, e1 = med.get(("direct", True, 1)), med.get(("extproc", True, 1))
+    if d1 and e1:
+        for q, bound in (("p50", 0.5), ("p99", 1.5)):
+            added = _n(e1[q]) - _n(d1[q])
+            lines.append(
+                f"- with {rate:,.0f} events/s: added latency at c=1, {q}: {added:+.3f} ms vs "
+                f"≤ +{bound:g} ms: {resultfile.verdict(added <= bound)}"
+            )
+    d32, e32 = med.get(("direct", True, 32)), med.get(("extproc", True, 32))
+    if d32 and e32:
+        ratio = _n(e32["rps"]) / _n(d32["rps"])
+        lines.append(
+            f"- with {rate:,.0f} events/s: accepted req/s at c=32: {ratio:.2f}x direct vs "
+            f"≥ 0.8x: {resultfile.verdict(ratio >= 0.8)}"
+        )
+    for conns in data["settings"]["concurrency"]:
+        e = med.get(("extproc", True, conns))
+        if e:
+            kept = _n(e["events_rate"]) / rate
+            lines.append(
+                f"- with {rate:,.0f} events/s at c={conns}: the extproc took in "
+                f"{_n(e['events_rate']):,.0f} events/s during the requests ({kept:.0%} of "
+                f"the paced rate): {resultfile.verdict(kept >= 0.95)} (≥ 95 %)"
+            )
+    return lines
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown report of a ``make bench-events`` run, from its results JSON."""
+    s = data["settings"]
+    parts = [
+        resultfile.header(
+            "Event plane: ingest rate, and requests with and without events", data["run"]
+        ),
+        f"Ingest: a publisher process sends msgpack `load` events for {s['workers'] + 1} "
+        f"workers as fast as it can for {s['ingest_seconds']:g} s; the extproc's "
+        '`extproc_events_total{topic="load"}` over that window is the ingest rate, its CPU '
+        "from `/proc`.\n",
+        INGEST_HEAD + "\n|---|---|---|---|---|---|---|\n" + ingest_row(data["ingest"]) + "\n",
+    ]
+    if data["runs"]:
+        parts += [
+            f"Requests with and without {s['rate']:,.0f} load events/s: wrk -t1 keep-alive "
+            f"non-streaming chat POSTs, {s['duration']:g} s per run, rounds: {s['rounds']}, each "
+            "alternating between the paths and between no events and a paced publisher, "
+            "medians of the rounds. The direct path (Envoy without the ext_proc filter, "
+            "same worker) runs with the same events, so the publisher's and the extproc's "
+            'CPU on the shared cores shows on it too. "loop on events": '
+            "`rate(extproc_event_seconds_total)`, the share of wall time the extproc's loop "
+            "spent reading and applying events.\n",
+            "\n".join(runs_table(data)) + "\n",
+        ]
+    parts.append(
+        "### Goals\n\nIngest at least 50,000 load events/s; with that stream flowing, the "
+        "request path's goals (extproc + events against direct + events), and the events "
+        "taken in as fast as they are sent.\n\n" + "\n".join(goals(data)) + "\n"
+    )
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

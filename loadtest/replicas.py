@@ -10,14 +10,15 @@ without sharing, then with sharing. Reported per case: requests admitted by each
 (all are in flight at once, so this is each worker's peak in flight) and how far the
 busiest worker goes beyond the single-replica case. Also measured: how long a threshold
 POST on one replica takes to show on the other, and the estimate messages per second a
-replica sends, idle and during the burst.
+replica sends, idle and during the burst. Written to ``docs/replicas-results.json`` (with the
+command, the time, ``/proc/loadavg`` before and after and the machine; ``--out DIR``
+elsewhere) and ``replicas-results.md`` generated from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +37,8 @@ from extproc.devstack import (
     start_echo_worker,
     wait_until,
 )
+from loadtest import resultfile
+from loadtest.resultfile import median
 
 PROMPT_TOKENS = 300
 THRESHOLD = 1000  # busy above 1000 prefill tokens: 4 requests of 300 tokens per worker
@@ -115,13 +118,71 @@ def propagation(a: Extproc, b: Extproc, rounds: int) -> list[float]:
     return took
 
 
+RESULTS_NAME = "replicas"
+CASES = ("one", "two, not sharing", "two, sharing")
+HEAD = (
+    "| case | admitted per worker (each round) | admitted in total | busiest worker "
+    "| beyond one replica |"
+)
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    workers = data["settings"]["workers"]
+    cases = data["cases"]
+    single = max(max(r.values(), default=0) for r in cases["one"])
+    rows = [HEAD, "|---|---|---|---|---|"]
+    for case in CASES:
+        rounds = cases[case]
+        per = "; ".join(",".join(str(r.get(f"w{i}", 0)) for i in range(workers)) for r in rounds)
+        peak = max(max(r.values(), default=0) for r in rounds)
+        totals = ", ".join(str(sum(r.values())) for r in rounds)
+        rows.append(f"| {case} | {per} | {totals} | {peak} | {peak - single:+d} |")
+    return rows
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown report of a ``make bench-replicas`` run, from its results JSON."""
+    s = data["settings"]
+    took = [t * 1000 for t in data["propagation_s"]]
+    return "\n".join([
+        resultfile.header("Replicas: one against two, with and without sharing", data["run"]),
+        f"A burst of {s['burst']} requests of {s['prompt_tokens']} prompt tokens sent at once "
+        f"from {s['burst']} threads, split evenly over the replicas; {s['workers']} echo "
+        f"workers holding each request {s['hold']:g} s; prefill threshold {s['threshold']} "
+        f"(capacity {s['capacity']} per worker); worker load reports paused, so what a "
+        "replica knows of the other's requests comes only from the shared estimates; one "
+        f"warm-up request per Envoy; rounds per case: {s['rounds']}.\n",
+        "\n".join(table(data)) + "\n",
+        f"- threshold POST on one replica seen on the other: median "
+        f"{median(took):.1f} ms, max {max(took):.1f} ms ({len(took)} POSTs; the other "
+        "replica is read right after the POST returns, then every 20 ms)",
+        f"- estimate messages a replica sends: {data['estimates_idle_per_s']:.1f}/s idle, "
+        f"{data['estimates_burst_per_s']:.1f}/s during the burst "
+        "(`extproc_replica_messages_sent_total`)\n",
+    ])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--burst", type=int, default=48, help="requests per burst")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--hold", type=float, default=2.0, help="seconds each request holds")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=resultfile.DOCS,
+        metavar="DIR",
+        help=f"where {RESULTS_NAME}-results.json and .md are written (default: docs/)",
+    )
     args = parser.parse_args(argv)
+    for flag, value in (("--burst", args.burst), ("--workers", args.workers),
+                        ("--rounds", args.rounds)):  # fmt: skip
+        if value < 1:
+            parser.error(f"{flag}: {value} is not a count of 1 or more")
+    run = resultfile.Run(
+        resultfile.command_line("loadtest.replicas", sys.argv[1:] if argv is None else argv)
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
     xsub, xpub = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     procs: list[Any] = [
@@ -135,14 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     procs += [p for p, _ in workers]
     ports = [port for _, port in workers]
     pub = Publisher(xsub)
-    results: dict[str, list[dict[str, int]]] = {
-        "one": [],
-        "two, not sharing": [],
-        "two, sharing": [],
-    }
-    lines = []
+    results: dict[str, list[dict[str, int]]] = {case: [] for case in CASES}
+    took: list[float] = []
+    idle_rate = busy_rate = 0.0
     try:
-        for case in results:
+        for case in CASES:
             share = case == "two, sharing"
             count = 1 if case == "one" else 2
             pairs = [
@@ -157,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             if share:
                 a, b = pairs[0][0], pairs[1][0]
                 idle0, t0 = estimates_sent(b), time.monotonic()
-                time.sleep(3.0)
+                time.sleep(3.0)  # a fixed window to count the idle messages in
                 idle_rate = (estimates_sent(b) - idle0) / (time.monotonic() - t0)
             for _ in range(args.rounds):
                 before, t0 = (estimates_sent(pairs[1][0]) if share else 0.0), time.monotonic()
@@ -166,16 +224,6 @@ def main(argv: list[str] | None = None) -> int:
                     busy_rate = (estimates_sent(pairs[1][0]) - before) / (time.monotonic() - t0)
             if share:
                 took = propagation(a, b, 20)
-                lines.append(
-                    f"threshold POST on one replica seen on the other: median "
-                    f"{statistics.median(took) * 1000:.1f} ms, max {max(took) * 1000:.1f} ms "
-                    "(20 POSTs; the other replica is read right after the POST returns, "
-                    "then every 20 ms)"
-                )
-                lines.append(
-                    f"estimate messages a replica sends: {idle_rate:.1f}/s idle, "
-                    f"{busy_rate:.1f}/s during the burst (extproc_replica_messages_sent_total)"
-                )
             for ext, envoy in pairs:
                 envoy.stop()
                 ext.stop()
@@ -183,27 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         pub.close()
         for proc in procs:
             proc.stop()
-    single = max(max(r.values()) for r in results["one"])
-    print(
-        f"\nburst of {args.burst} requests of {PROMPT_TOKENS} prompt tokens, {args.workers} "
-        f"workers, prefill threshold {THRESHOLD} (capacity {CAPACITY} per worker), worker "
-        f"load reports paused; {args.rounds} rounds\n"
-    )
-    print(
-        "| case | admitted per worker (each round) | admitted in total | busiest worker "
-        "| beyond one replica |"
-    )
-    print("|---|---|---|---|---|")
-    for case, rounds in results.items():
-        per = "; ".join(
-            ",".join(str(r.get(f"w{i}", 0)) for i in range(args.workers)) for r in rounds
-        )
-        peak = max(max(r.values()) for r in rounds)
-        totals = ", ".join(str(sum(r.values())) for r in rounds)
-        print(f"| {case} | {per} | {totals} | {peak} | {peak - single:+d} |")
-    print()
-    for line in lines:
-        print(line)
+    data = {
+        "settings": {"burst": args.burst, "workers": args.workers, "hold": args.hold,
+                     "rounds": args.rounds, "prompt_tokens": PROMPT_TOKENS,
+                     "threshold": THRESHOLD, "capacity": CAPACITY},
+        "cases": results,
+        "propagation_s": took,
+        "estimates_idle_per_s": idle_rate,
+        "estimates_burst_per_s": busy_rate,
+        "run": run.finish(),
+    }  # fmt: skip
+    print(resultfile.write(args.out, RESULTS_NAME, data, render))
     return 0
 
 

@@ -11,6 +11,10 @@ read before and after, and Envoy's log is searched for ``protocol_error``.
 
     python -m loadtest.storm --clients 4000 --duration 8 [--clients 8000 ...]
 
+Writes ``docs/storm-results.json`` (each run, with the command, the time, ``/proc/loadavg``
+before and after and the machine; ``--out DIR`` elsewhere) and ``storm-results.md`` generated
+from it, with the goal judged per run.
+
 Open files: Envoy needs about two per client and wrk one; the soft limit is raised to
 the hard one for this process and its children, and a client count the hard limit
 cannot carry is refused.
@@ -43,6 +47,7 @@ from extproc.devstack import (
     http,
     wait_until,
 )
+from loadtest import resultfile
 from loadtest.bench import BODY, LUA, _ms, cpu_seconds, worker_config
 
 # Envoy stats read before and after a run (deltas are reported).
@@ -237,17 +242,76 @@ HEADER = (
 )
 
 
-def row(r: StormResult) -> str:
+def row(r: dict[str, Any]) -> str:
+    """A result (``StormResult`` as plain values) as a table row."""
     return (
-        f"| {r.clients} | {r.requests} | {r.rejections_per_s:.0f} | {r.p50_ms:.1f} "
-        f"| {r.p99_ms:.1f} | {r.non_529} | {r.streams_failed} | {r.failure_mode_allowed} "
-        f"| {r.message_timeouts} | {r.reached_worker} | {r.extproc_connections} "
-        f"| {r.outbound_flood} | {r.protocol_errors_in_log} | {r.extproc_cpu_us_per_request} "
-        f"| {r.socket_errors} |"
+        f"| {r['clients']} | {r['requests']} | {r['rejections_per_s']:.0f} | {r['p50_ms']:.1f} "
+        f"| {r['p99_ms']:.1f} | {r['non_529']} | {r['streams_failed']} "
+        f"| {r['failure_mode_allowed']} | {r['message_timeouts']} | {r['reached_worker']} "
+        f"| {r['extproc_connections']} | {r['outbound_flood']} | {r['protocol_errors_in_log']} "
+        f"| {r['extproc_cpu_us_per_request']} | {r['socket_errors']} |"
     )
 
 
-def main() -> int:
+def socket_error_count(text: str) -> int:
+    """The sum of wrk's ``Socket errors: connect 0, read 0, write 0, timeout 3`` (``none``: 0)."""
+    return sum(int(n) for n in re.findall(r"\b(\d+)\b", text))
+
+
+def goal(r: dict[str, Any]) -> str:
+    """Held when nothing reached the busy worker, no ext_proc stream failed, timed out or
+    failed open, and every client got the overload reply (no other status, no socket error)."""
+    problems = [
+        f"{label} {r[key]}"
+        for key, label in (
+            ("reached_worker", "reached the worker"),
+            ("streams_failed", "ext_proc streams failed"),
+            ("failure_mode_allowed", "failed open"),
+            ("message_timeouts", "message timeouts"),
+            ("non_529", "answers other than 529"),
+        )
+        if r[key]
+    ]
+    errors = socket_error_count(r["socket_errors"])
+    if errors:
+        problems.append(f"socket errors {errors} ({r['socket_errors']})")
+    if not r["requests"]:
+        problems.append("no request answered")
+    what = (
+        "; ".join(problems)
+        if problems
+        else (
+            "none reached the worker, no ext_proc stream failed, timed out or failed open, every "
+            f"request answered 529 ({r['requests']:,})"
+        )
+    )
+    return f"- {r['clients']:,} clients: {what}: {resultfile.verdict(not problems)}"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown report of a ``make bench-storm`` run, from its results JSON."""
+    s = data["settings"]
+    rows = [HEADER, "|" + "---|" * (HEADER.count(" | ") + 1), *map(row, data["results"])]
+    return "\n".join([
+        resultfile.header("Storm: every worker busy, thousands of keep-alive clients", data["run"]),
+        f"wrk -t{s['threads']} -cN -d{s['duration']:g}s of short chat POSTs, one run per "
+        f"client count on a fresh stack: Envoy on `envoy/{s['config']}`, the extproc "
+        f"(`--grpc-server {s['grpc_server']}`) and a worker that is an Envoy `direct_response` "
+        "(a request that reaches it is a 200 and counts in `cluster.workers.upstream_rq_total`). "
+        "The one worker reports a load above the threshold, so every answer should be the "
+        "extproc's 529. Envoy's `/stats` read before and after each run (deltas); its log "
+        f"searched for `protocol_error`. Open files: the soft limit raised to {s['nofile']:,}.\n",
+        "\n".join(rows) + "\n",
+        "### Goal\n\nWith every worker busy and thousands of concurrent clients, no request "
+        "reaches a worker because the extproc was slow or failed, and every client gets an "
+        "answer.\n\n" + "\n".join(goal(r) for r in data["results"]) + "\n",
+    ])  # fmt: skip
+
+
+RESULTS_NAME = "storm"
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[4000],
                         help="keep-alive wrk connections (one run each)")  # fmt: skip
@@ -260,8 +324,14 @@ def main() -> int:
         help="Envoy config (under envoy/)",
     )
     parser.add_argument("--grpc-server", choices=["builtin", "grpcio"], default="builtin")
-    parser.add_argument("--json", action="store_true", help="also print each result as JSON")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=resultfile.DOCS,
+        metavar="DIR",
+        help=f"where {RESULTS_NAME}-results.json and .md are written (default: docs/)",
+    )
+    args = parser.parse_args(argv)
     for n in args.clients:
         if n < 1:
             parser.error(f"--clients: {n} is not a positive number of connections")
@@ -278,22 +348,25 @@ def main() -> int:
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install wrk", file=sys.stderr)
         return 2
-    print(f"open files: soft limit raised to the hard limit {hard}")
-    print(
-        f"\nwrk -t{args.threads} -cN -d{args.duration:g}s, short chat POSTs, every worker busy; "
-        f"envoy/{args.config}, --grpc-server {args.grpc_server}\n"
+    run = resultfile.Run(
+        resultfile.command_line("loadtest.storm", sys.argv[1:] if argv is None else argv)
     )
-    print(HEADER)
-    print("|" + "---|" * HEADER.count(" | ") + "---|")
+    results = []
     for n in args.clients:
         tmp = Path(tempfile.mkdtemp(prefix=f"storm-{n}-"))
         r = storm(
             n, args.duration, tmp, source=ROOT / "envoy" / args.config,
             grpc_server=args.grpc_server, threads=args.threads,
         )  # fmt: skip
-        print(row(r), flush=True)
-        if args.json:
-            print(json.dumps(asdict(r)))
+        print(row(asdict(r)), file=sys.stderr, flush=True)
+        results.append(asdict(r))
+    data = {
+        "settings": {"duration": args.duration, "threads": args.threads, "config": args.config,
+                     "grpc_server": args.grpc_server, "clients": args.clients, "nofile": hard},
+        "results": results,
+        "run": run.finish(),
+    }  # fmt: skip
+    print(resultfile.write(args.out, RESULTS_NAME, data, render))
     return 0
 
 

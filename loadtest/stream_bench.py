@@ -12,7 +12,9 @@ interval), same load, one run:
     python -m loadtest.stream_bench [--streams 8] [--tokens 200] [--interval-ms 5] [--rounds 3]
 
 Reports client-side inter-token gaps (p50/p99, ms), their excess over ``none``, and
-the extproc's CPU seconds (user+system, from /proc) per streamed token.
+the extproc's CPU seconds (user+system, from /proc) per streamed token, in
+``docs/stream-results.json`` (with the command, the time, ``/proc/loadavg`` before and after
+and the machine; ``--out DIR`` elsewhere) and ``stream-results.md`` generated from it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import aiohttp
 
 from extproc.devstack import Envoy, Extproc, Publisher, checkout_file, start_echo_worker
+from loadtest import resultfile
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 
@@ -100,7 +103,62 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p / 100 * len(values)))]
 
 
-def main() -> int:
+RESULTS_NAME = "stream"
+DESIGNS = ("none", "blocking", "observe")
+
+
+def summary(gaps: list[float], cpu_s: float, tokens: int) -> dict[str, float]:
+    """One design's inter-token gaps (ms) and extproc CPU, as the results file keeps them."""
+    return {
+        "itl_p50_ms": pct(gaps, 50),
+        "itl_p99_ms": pct(gaps, 99),
+        "itl_mean_ms": statistics.mean(gaps) if gaps else float("nan"),
+        "gaps": len(gaps),
+        "tokens": tokens,
+        "extproc_cpu_s": cpu_s,
+    }
+
+
+HEAD = "| design | ITL p50 ms | ITL p99 ms | added p50 | added p99 | extproc CPU µs/token |"
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    d = data["designs"]
+    base50, base99 = d["none"]["itl_p50_ms"], d["none"]["itl_p99_ms"]
+    rows = [HEAD, "|---|---|---|---|---|---|"]
+    for name in DESIGNS:
+        r = d[name]
+        rows.append(
+            f"| {name} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} "
+            f"| {r['itl_p50_ms'] - base50:+.2f} | {r['itl_p99_ms'] - base99:+.2f} "
+            f"| {r['extproc_cpu_s'] / max(r['tokens'], 1) * 1e6:.0f} |"
+        )
+    return rows
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown report of a stream benchmark run, from its results JSON."""
+    s = data["settings"]
+    return "\n".join([
+        resultfile.header("Observing streamed response bodies: inter-token latency and CPU",
+                          data["run"]),
+        f"{s['streams']} concurrent streams x {s['tokens']} SSE events, the echo worker "
+        f"writing one event every {s['interval_ms']} ms, through Envoy; rounds: "
+        f"{s['rounds']}, each alternating between the designs. `none`: `envoy/envoy.yaml` "
+        "as shipped (response bodies not sent to the extproc); `blocking`: the routing "
+        "filter gets every body chunk (`STREAMED`) and Envoy waits for each reply; "
+        "`observe`: `envoy/envoy-track-output.yaml`, a second filter in "
+        "`observability_mode` (no reply awaited). Inter-token gaps measured at the client "
+        "over every round (percentiles of all gaps); extproc CPU (user + system, from "
+        "`/proc`) per streamed token.\n",
+        "\n".join(table(data)) + "\n",
+        "Mean gap: " + ", ".join(
+            f"{n} {data['designs'][n]['itl_mean_ms']:.2f} ms" for n in DESIGNS
+        ) + ".\n",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.stream_bench", description=__doc__.split("\n\n")[0]
     )
@@ -108,13 +166,27 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=200, help="SSE events per stream")
     parser.add_argument("--interval-ms", type=int, default=5, help="worker's gap between events")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per design")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=resultfile.DOCS,
+        metavar="DIR",
+        help=f"where {RESULTS_NAME}-results.json and .md are written (default: docs/)",
+    )
+    args = parser.parse_args(argv)
+    counts = {"--streams": args.streams, "--tokens": args.tokens, "--rounds": args.rounds,
+              "--interval-ms": args.interval_ms}  # fmt: skip
+    for flag, value in counts.items():
+        if value < 1:
+            parser.error(f"{flag}: {value} is not a count of 1 or more")
+    run = resultfile.Run(
+        resultfile.command_line("loadtest.stream_bench", sys.argv[1:] if argv is None else argv)
+    )
     tmp = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     worker, port = start_echo_worker(tmp, "w")
-    designs = ("none", "blocking", "observe")
     stacks: dict[str, tuple[Extproc, Envoy, Publisher]] = {}
     try:
-        for name in designs:
+        for name in DESIGNS:
             ext = Extproc(
                 tmp,
                 ["--log-level", "WARNING", "--worker-ttl", "3600", "--router-track-output-blocks"],
@@ -123,48 +195,38 @@ def main() -> int:
             pub = Publisher(ext.event_endpoint)
             pub.announce(ext, "w", "m", f"127.0.0.1:{port}", kv_total_blocks=100000)
             stacks[name] = (ext, env, pub)
-        gaps: dict[str, list[float]] = {n: [] for n in designs}
-        cpu: dict[str, float] = dict.fromkeys(designs, 0.0)
-        ntok: dict[str, int] = dict.fromkeys(designs, 0)
-        for name in designs:  # warm-up
+        gaps: dict[str, list[float]] = {n: [] for n in DESIGNS}
+        cpu: dict[str, float] = dict.fromkeys(DESIGNS, 0.0)
+        ntok: dict[str, int] = dict.fromkeys(DESIGNS, 0)
+        for name in DESIGNS:  # warm-up
             asyncio.run(run_load(stacks[name][1].url, 2, 20, args.interval_ms))
         for _ in range(args.rounds):
-            for name in designs:
+            for name in DESIGNS:
                 ext, env, _ = stacks[name]
                 c0 = cpu_seconds(ext.proc.pid)
                 g = asyncio.run(run_load(env.url, args.streams, args.tokens, args.interval_ms))
                 cpu[name] += cpu_seconds(ext.proc.pid) - c0
                 ntok[name] += args.streams * args.tokens
                 gaps[name].extend(g)
-        base50, base99 = pct(gaps["none"], 50), pct(gaps["none"], 99)
-        print(
-            f"\n{args.streams} streams x {args.tokens} tokens, worker gap {args.interval_ms} ms, "
-            f"{args.rounds} alternating rounds; inter-token gaps at the client\n"
-        )
-        print("| design | ITL p50 ms | ITL p99 ms | added p50 | added p99 | extproc CPU µs/token |")
-        print("|---|---|---|---|---|---|")
-        for name in designs:
-            p50, p99 = pct(gaps[name], 50), pct(gaps[name], 99)
-            print(
-                f"| {name} | {p50:.2f} | {p99:.2f} | {p50 - base50:+.2f} | {p99 - base99:+.2f} "
-                f"| {cpu[name] / ntok[name] * 1e6:.0f} |"
-            )
-        # Sanity: with observation the router saw the tokens (estimate back to 0 after).
-        for name in designs:
+        # Sanity: every design released its streams' estimates.
+        for name in DESIGNS:
             ext = stacks[name][0]
             rank = ext.workers()["w"]["ranks"][0]["router_estimate"]
             assert rank["requests_in_flight"] == 0, (name, rank)
-        print(
-            "\nmedian of per-round means: "
-            + ", ".join(f"{n} {statistics.mean(gaps[n]):.2f} ms" for n in designs)
-        )
-        return 0
     finally:
         for ext, env, pub in stacks.values():
             pub.close()
             env.stop()
             ext.stop()
         worker.stop()
+    data = {
+        "settings": {"streams": args.streams, "tokens": args.tokens,
+                     "interval_ms": args.interval_ms, "rounds": args.rounds},
+        "designs": {n: summary(gaps[n], cpu[n], ntok[n]) for n in DESIGNS},
+        "run": run.finish(),
+    }  # fmt: skip
+    print(resultfile.write(args.out, RESULTS_NAME, data, render))
+    return 0
 
 
 if __name__ == "__main__":
