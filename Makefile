@@ -104,7 +104,7 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP) ## Mixed load for SOAK_SECONDS (600), then estimates 0 and RSS/fds within 10 %
 	$(PY) -m loadtest.soak --seconds $(SOAK_SECONDS) $(ARGS)
 
-.PHONY: loadtest overload overload-llamacpp overload-vllm overload-classes slo slo-llamacpp compose-check compose-rehearsal
+.PHONY: loadtest overload overload-llamacpp overload-vllm overload-classes slo slo-llamacpp slo-vllm compose-check compose-rehearsal
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 HOST ?= http://127.0.0.1:8000
 
@@ -132,11 +132,14 @@ overload-vllm: $(LOADTEST_STAMP) $(VLLM_STAMP) ## The same on 2 vLLM servers (Sm
 overload-classes: $(LOADTEST_STAMP) ## Mixed request classes at 1x, 3x, 10x, with and without retries (~4 min; docs/classes-*)
 	$(PY) -m loadtest.mixed $(ARGS)
 
-slo: $(LOADTEST_STAMP) ## Latency target vs fixed thresholds: load phases 1x-3x-10x-1x, a worker slows down (~10 min; docs/slo-*)
+slo: $(LOADTEST_STAMP) ## TTFT target alone vs thresholds off/shipped/best swept: 1x-3x-10x-1x of capacity at target, a worker 2x slower, OpenAI-SDK retries, classes (~12 min; docs/slo-*)
 	$(PY) -m loadtest.slo $(ARGS)
 
-slo-llamacpp: $(LOADTEST_STAMP) $(ENGINE_STAMP) ## The same on 2 llama.cpp llama-server (SmolLM2, this CPU), one paused on a duty cycle (~15 min; docs/slo-llamacpp-*)
+slo-llamacpp: $(LOADTEST_STAMP) $(ENGINE_STAMP) ## The same on 2 llama.cpp llama-server (SmolLM2, this CPU), one paused on a duty cycle (~30 min; docs/slo-llamacpp-*)
 	$(PY) -m loadtest.slo --engine llamacpp $(ARGS)
+
+slo-vllm: $(LOADTEST_STAMP) $(VLLM_STAMP) ## The same on 2 vLLM servers (SmolLM2, this CPU), one paused on a duty cycle (~35 min; docs/slo-vllm-*)
+	$(PY) -m loadtest.slo --engine vllm $(ARGS)
 
 compose-check: $(STAMP) ## Check docker-compose.yml (docker-compose config -q) and every command it runs
 	@command -v docker-compose >/dev/null || echo "docker-compose not found (apt-get install -y docker-compose): 'config -q' is skipped"

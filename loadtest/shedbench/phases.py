@@ -214,8 +214,9 @@ async def _sample_debug(
 
 def held_requests(metrics: str, model: str = MODEL) -> float | None:
     """The value of ``extproc_held_requests{model="<model>"}`` in a metrics page, summed
-    over its other labels; None when the page has no such series."""
-    total: float | None = None
+    over its other labels: 0 when the metric is there without a series for the model (none
+    held yet), None when the page does not have the metric at all."""
+    total: float | None = 0.0 if f"# TYPE {HELD_METRIC} " in metrics else None
     label = f'model="{model}"'
     for line in metrics.splitlines():
         if not line.startswith(HELD_METRIC + "{") or label not in line:

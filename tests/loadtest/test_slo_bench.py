@@ -141,6 +141,7 @@ def test_held_requests_are_read_for_the_benchmark_s_model_only() -> None:
         'extproc_held_requests_total{model="overload-model"} 9.0\n'
     )
     assert held_requests(page) == 3.0
+    assert held_requests("# TYPE extproc_held_requests gauge\n") == 0.0  # none held yet
     assert held_requests("extproc_requests_total 1\n") is None
 
 
