@@ -275,3 +275,63 @@ def test_a_target_below_an_idle_workers_ttft_is_shown_unreachable() -> None:
     _, raw = send(handler, "r1")
     status, hdrs, _ = local(parsed(raw))
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+
+
+# ----- request classes: a class's target is its deadline -----------------------------------
+
+CLASS_TARGETS = {
+    "default": "standard",
+    "classes": {
+        "critical": {"ttft_p99_target_ms": 5000},
+        "standard": {},
+        "sheddable": {"status": 429, "retry_after": 7, "ttft_p99_target_ms": 600},
+    },
+}
+
+
+def classed() -> tuple[ExtProcHandler, Clock]:
+    from extproc.core.classes import ClassRegistry, parse_table
+
+    clock = Clock()
+    clock.t = 100.0
+    pool = WorkerPool(BusyThresholds(), clock=clock)  # no model target, no thresholds
+    registry = ClassRegistry(parse_table(CLASS_TARGETS), pool)
+    admission = DeadlineAdmission(pool, registry)
+    handler = ExtProcHandler(
+        pool, Scheduler(pool), Metrics(), classes=registry, admission=admission
+    )
+    pool.on_capacity = handler.capacity_changed
+    pool.on_load = handler.load_reported
+    registry.listeners.append(handler.classes_changed)
+    pool.announce("a", model="m", endpoint="127.0.0.1:1", kv_total_blocks=100)
+    pool.report_load("a", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
+    return handler, clock
+
+
+def send_class(handler: ExtProcHandler, cls: str) -> tuple[RequestSession, Any]:
+    session = handler.open_session({})
+    assert isinstance(session, RequestSession)
+    extra = {"content-length": str(PROMPT_BYTES), "x-request-class": cls}
+    return session, session.receive(headers(CHAT, read="m", extra=extra))
+
+
+async def test_each_class_is_judged_by_its_own_target_and_a_class_without_one_is_not() -> None:
+    handler, clock = classed()
+    learn(handler, clock, "a")
+    first, _ = send_class(handler, "standard")  # no target anywhere: plain rule, routed
+    _, shed = send_class(handler, "sheddable")  # waits ~1 s for the slot: past its 600 ms
+    status, hdrs, body = local(parsed(shed))
+    assert (status, body["code"]) == (429, 429)  # the class's status...
+    assert hdrs["x-shed-reason"] == "deadline" and hdrs["x-shed-class"] == "sheddable"
+    assert hdrs["retry-after"] == "1"  # ...but the retry headers from the predicted wait
+    _, held = send_class(handler, "critical")  # ~1 s fits its 5 s: held
+    assert isinstance(held, tuple), held
+    task = asyncio.ensure_future(held[1])
+    other, plain = send_class(handler, "standard")  # no target: routed at once (plain rule)
+    assert destination(parsed(plain)) == "127.0.0.1:1"
+    finish(first)
+    await asyncio.sleep(0)
+    assert not task.done()  # the plain request took a slot too: one is still taken
+    finish(other)
+    resp = parsed(await asyncio.wait_for(task, 1))
+    assert destination(resp) == "127.0.0.1:1"

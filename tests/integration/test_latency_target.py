@@ -1,8 +1,9 @@
 """Deadline admission through the real Envoy, the extproc and a simulated engine.
 
 The engine runs one sequence at a time (``--max-num-seqs 1``) and a long generation holds
-its slot for most of a second, so a second request must wait for that slot. With a TTFT
-target the router predicts that wait from what it measured (three long requests first):
+its slot for about 2 s, longer than Envoy's 1 s ext_proc message timeout, so a second
+request must wait for that slot and a held one needs Envoy's timer extended. With a TTFT
+target the router predicts that wait from what it measured (two long requests first):
 a target the wait fits holds the request in the router until the slot frees, then sends
 it; a target it does not fit is answered at once with the deadline reply. Removing the
 target returns to the plain thresholds (none here: everything is admitted) at once.
@@ -41,7 +42,7 @@ from extproc.devstack import (
     wait_until,
 )
 
-LONG = {"model": "m", "prompt": "x" * 400, "max_tokens": 40, "stream": True}  # ~0.8 s
+LONG = {"model": "m", "prompt": "x" * 400, "max_tokens": 100, "stream": True}  # ~2 s
 SHORT = {"model": "m", "prompt": "x" * 400, "max_tokens": 2, "stream": True}
 
 
@@ -112,7 +113,19 @@ async def request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         )
 
 
-async def warm_up(session: aiohttp.ClientSession, stack: Stack, n: int = 3) -> None:
+def envoy_ext_proc_stats(envoy: Envoy) -> dict[str, int]:
+    """Envoy's own counters of the inference route's ext_proc filter."""
+    _, _, body = http("GET", f"http://127.0.0.1:{envoy.admin_port}/stats", timeout=10)
+    prefix = "http.inference.ext_proc."
+    out: dict[str, int] = {}
+    for line in body.decode().splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name.startswith(prefix) and value.strip().isdigit():
+            out[name[len(prefix) :]] = int(value)
+    return out
+
+
+async def warm_up(session: aiohttp.ClientSession, stack: Stack, n: int = 2) -> None:
     """``n`` long requests one after another: the router measures the worker's service
     time (and so its completion rate) and its prefill."""
     for _ in range(n):
@@ -160,10 +173,14 @@ async def test_a_request_that_fits_after_a_wait_is_held_and_served_when_the_slot
         assert view["held_requests"] == 1 and view["in_flight"] == 1
         first, second = await asyncio.gather(long, short)
     assert (first.status, second.status) == (200, 200)
-    assert second.first_byte > 0.3  # it waited for the slot
+    assert second.first_byte > 1.0  # it waited for the slot
     assert stack.metric("extproc_held_requests", {"model": "m"}) == 0
     assert stack.metric("extproc_held_wait_seconds_count") == 1
-    assert stack.metric("extproc_held_wait_seconds_sum") > 0.2
+    assert stack.metric("extproc_held_wait_seconds_sum") > 1.0
+    # Held past Envoy's 1 s message timeout: the timer was extended, nothing failed open.
+    envoy = envoy_ext_proc_stats(stack.envoy)
+    assert envoy.get("message_timeouts", 0) == 0 and envoy.get("failure_mode_allowed", 0) == 0
+    assert envoy.get("streams_started", 0) > 0, envoy
     assert stack.metric("extproc_decisions_total", {"outcome": "deadline"}) == 0
     met = stack.metric("extproc_ttft_target_met_total", {"model": "m", "met": "true"})
     assert met >= 2  # the held one met its 10 s too
