@@ -124,6 +124,7 @@ QUOTING = {
     "performance.md": {("rows", "overload-results.md"), ("lines", "overload-results.md")},
     "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
                     ("rows", "overload-llamacpp-results.md")},
+    "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
     "latency-target.md": {
         ("rows", "slo-results.md"),
         ("slo goodput per phase", "slo-results.json"),
