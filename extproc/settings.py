@@ -252,10 +252,10 @@ class Settings(SettingsTable):
         "--ttft-p99-target-ms",
         "EXTPROC_TTFT_P99_TARGET_MS",
         "busy",
-        "time-to-first-token p99 to hold, in ms, for every model: the thresholds become a "
-        "ceiling (none configured: a full worker, every KV block and one batch of prompt "
-        "tokens) and a controller per worker lowers its limits below it while the measured "
-        "p99 is above the target (docs/latency-target.md). Default: off",
+        "time-to-first-token target, in ms, for every model: each request is dispatched to "
+        "the worker with the smallest predicted TTFT when it fits, held in the router for a "
+        "slot when only the wait fits, else rejected at once (x-shed-reason: deadline); the "
+        "thresholds stay ceilings (docs/latency-target.md). Default: off",
         metavar="MS",
         expected=f"milliseconds in (0, {MAX_TARGET_MS}], or None to disable",
         gt=0.0,
@@ -267,9 +267,8 @@ class Settings(SettingsTable):
         "--itl-p99-target-ms",
         "EXTPROC_ITL_P99_TARGET_MS",
         "busy",
-        "inter-token-latency p99 to hold, in ms (the mean gap between a streamed response's "
-        "tokens, per request), for every model; with a TTFT target too, the more cautious "
-        "wins. Default: off",
+        "inter-token-latency p99 target, in ms, for every model: stored and shown with the "
+        "thresholds, not enforced (admission holds the TTFT target). Default: off",
         metavar="MS",
         expected=f"milliseconds in (0, {MAX_TARGET_MS}], or None to disable",
         gt=0.0,
@@ -281,10 +280,9 @@ class Settings(SettingsTable):
         "--ttft-source",
         "EXTPROC_TTFT_SOURCE",
         "busy",
-        "what the latency controller reads: gateway = TTFT measured by the extproc from the "
-        "response body (needs bodies observed: envoy/envoy-track-output.yaml); engine = what "
-        "the engines report in their load events (the sidecar agent, the simulated worker). "
-        "Both are shown. Default: gateway",
+        "kept for existing configurations; it changes nothing: deadline admission predicts "
+        "from the gateway's own timings and the engines' queue fields, and shows the "
+        "engine-reported TTFT beside them. Default: gateway",
         metavar="{gateway,engine}",
         expected="gateway or engine",
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import is_free
 from extproc.core.worker import Worker
 from extproc.metrics.registry import Metrics
+
+log = logging.getLogger("extproc.handlers")
 
 # Envoy's max_message_timeout in the shipped configs is 30 s; a held request's extension
 # stays under it with room for the reply.
@@ -138,13 +141,17 @@ class HeldRequests:
 
     def pump(self, model: str) -> None:
         """Expire, re-decide and dispatch the held requests of ``model`` (the module's
-        rule). Re-entrant calls (a dispatch that frees nothing) are folded into this one."""
+        rule). Re-entrant calls (a dispatch that frees nothing) are folded into this one. An
+        error is logged and leaves the requests held (their deadline still answers them): it
+        never reaches the stream whose end or report called the pump."""
         q = self.admission.held.get(model)
         if not q or model in self._pumping:
             return
         self._pumping.add(model)
         try:
             self._pump(model)
+        except Exception:
+            log.exception("error deciding the held requests of model %s; they stay held", model)
         finally:
             self._pumping.discard(model)
             self._arm(model)
