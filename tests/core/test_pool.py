@@ -395,3 +395,38 @@ def test_a_name_announced_endpoint_is_found_by_its_resolved_address() -> None:
     assert "worker-w:8000" in pool.resolved
     pool.leave("v")
     assert "worker-w:8000" not in pool.resolved
+
+
+def test_queue_fields_are_stored_per_rank_and_never_change_a_busy_flag() -> None:
+    pool, _ = make_pool(BusyThresholds(0.5))
+    announce(pool, "w", dp_size=2, kv_total_blocks=100)
+    seen: list[str] = []
+    pool.on_load = lambda worker: seen.append(worker.worker_id)
+    pool.report_load(
+        "w",
+        dp_rank=1,
+        active_decode_blocks=10,
+        num_requests_waiting=7,
+        request_active_slots=4,
+        request_total_slots=4,
+    )
+    rank0, rank1 = pool.workers["w"].ranks
+    assert (rank1.reported_waiting, rank1.reported_active_slots) == (7, 4)
+    assert rank1.reported_total_slots == 4
+    assert rank0.reported_waiting is None and rank0.reported_total_slots is None
+    assert not pool.workers["w"].busy  # 7 waiting, all slots taken: the busy rule is KV's
+    assert seen == ["w"]  # told after the report is applied
+    # A later report without them: not reported any more.
+    pool.report_load("w", dp_rank=1, active_decode_blocks=10)
+    assert (rank1.reported_waiting, rank1.reported_active_slots) == (None, None)
+    assert rank1.reported_total_slots is None
+
+
+def test_a_threshold_change_tells_the_capacity_listener() -> None:
+    pool, _ = make_pool(BusyThresholds(0.5))
+    announce(pool, "w", kv_total_blocks=100)
+    woken: list[str] = []
+    pool.on_capacity = woken.append
+    pool.set_thresholds("m", BusyThresholds(0.9, ttft_p99_target_ms=500.0))
+    pool.set_thresholds("m", BusyThresholds(0.9))  # the target removed
+    assert woken == ["m", "m"]
