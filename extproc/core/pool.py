@@ -24,10 +24,9 @@ from extproc.core.allowlist import WorkerAllowList
 from extproc.core.busy import (
     FULL_SHARE,
     BusyThresholds,
-    RankLimits,
     Share,
+    class_limits,
     rank_busy_reason,
-    rank_limits,
     scaled_limit,
     worker_busy,
 )
@@ -339,19 +338,15 @@ class WorkerPool:
         for worker in (*self.workers.values(), *self.unlisted.values()):
             self._recompute_limits(worker)
 
-    def _limits(self, worker: Worker, rank: Rank, share: Share = FULL_SHARE) -> RankLimits:
-        return rank_limits(
+    def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
+        limits = class_limits(
             self.thresholds_for(worker.model),
+            self.shares,
             kv_mode=self.kv_mode,
             kv_total_blocks=worker.kv_total(rank),
             max_num_batched_tokens=worker.max_num_batched_tokens,
-            share=share,
         )
-
-    def _rank_all_limits(self, worker: Worker, rank: Rank) -> None:
-        shares = self.shares
-        rank.limits = self._limits(worker, rank, shares[0])
-        rank.class_limits = [self._limits(worker, rank, s) for s in shares[1:]]
+        rank.limits, rank.class_limits = limits[0], limits[1:]
 
     def _recompute_limits(self, worker: Worker) -> None:
         for rank in worker.ranks:
