@@ -43,13 +43,11 @@ OUTER_BY = re.compile(r"\s*\w+\s+by\s*\(([^)]*)\)")
 # the extproc's /metrics (``# TYPE`` lines exist from startup).
 ONLY_WHILE_ACTIVE = {
     "extproc_router_queue_depth",
-    # Only for models with a latency target.
-    "extproc_ttft_p99_seconds",
-    "extproc_engine_ttft_p99_seconds",
-    "extproc_latency_target_seconds",
-    "extproc_latency_limit",
-    "extproc_worker_latency_limit",
-    "extproc_latency_target_unreachable",
+    # Only for models with a TTFT target (deadline admission).
+    "extproc_predicted_ttft_seconds_bucket",
+    "extproc_ttft_target_met_total",
+    "extproc_held_requests",
+    "extproc_held_wait_seconds_bucket",
 }
 
 
@@ -251,7 +249,13 @@ def _exposed_names(text: str) -> set[str]:
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
-            names.add(line.split()[2])
+            _, _, name, kind = line.split()[:4]
+            names.add(name)
+            # The sample names a family has once it has samples.
+            if kind == "histogram":
+                names.update(name + suffix for suffix in ("_bucket", "_sum", "_count"))
+            elif kind == "counter":
+                names.add(name + "_total")
         elif line and not line.startswith("#"):
             names.add(re.split(r"[{\s]", line, maxsplit=1)[0])
     return names
