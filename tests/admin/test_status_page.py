@@ -249,3 +249,28 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
         ext.admin + "/status.json",
     }, requested
     page.close()
+
+
+def test_status_json_shows_a_target_its_held_requests_and_where_it_is_unreachable() -> None:
+    from extproc.admin.status import status_view
+    from extproc.core.latency import DeadlineAdmission
+
+    pool = WorkerPool(BusyThresholds(ttft_p99_target_ms=50.0))
+    pool.announce("w", model="slo", endpoint="127.0.0.1:9")
+    pool.announce("v", model="slo", endpoint="127.0.0.1:10")
+    admission = DeadlineAdmission(pool)
+    worker = pool.workers["w"]
+    for i in range(6):  # 200 ms to the first byte on an idle worker: above 50 ms
+        admission.dispatched(i, worker, 100, 10.0 * i, 10.0 * i)
+        admission.first_byte(i, worker, 10.0 * i + 0.2)
+        admission.ended(i, worker, 10.0 * i + 1.0, 5)
+    admission.ttft_measured("slo", 0.03, 0.05)
+    metrics = Metrics()
+    view = status_view(pool, metrics, DecisionHistory(metrics, seconds=3), 529, admission)
+    latency = view["models"][0]["latency"]
+    assert latency["ttft_p99_target_ms"] == 50.0
+    assert latency["target_unreachable"] == ["w"]  # "v" has no measurement: no verdict
+    assert (latency["held_requests"], latency["target_met_share"]) == (0, 1.0)
+    by_id = {w["worker_id"]: w for w in view["workers"]}
+    assert by_id["w"]["deadline"]["target"].startswith("target unreachable: an idle worker")
+    assert "target" not in by_id["v"]["deadline"]
