@@ -42,6 +42,7 @@ import asyncio
 import math
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -173,6 +174,24 @@ def name_workers(run: PhasedRun, stack: Stack) -> None:
     for req in run.requests:
         for attempt in req.attempts:
             attempt.worker = ids.get(attempt.worker, attempt.worker)
+
+
+def code_version() -> str:
+    """The commit the stack ran, and whether its code had uncommitted changes."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        changed = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "extproc", "llmworker",
+             "loadtest", "envoy"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.split("\n")  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    dirty = sorted({line[3:].split("/")[0] for line in changed if line.strip()})
+    return sha + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
 
 
 def load_average() -> str:
@@ -708,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         splits=got.splits,
         seconds=time.monotonic() - started,
         load_average={"before": before, "after": load_average()},
+        code=code_version(),
     )
     write_results(out, file_prefix(cfg), results, markdown(results), plot)
     return 0

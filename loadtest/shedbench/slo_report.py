@@ -107,6 +107,7 @@ class SloResults:
     splits: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     seconds: float = 0.0
     load_average: dict[str, str] = field(default_factory=dict)  # /proc/loadavg before, after
+    code: str = ""  # the commit the stack ran
 
     def mode(self, name: str) -> ModeResult | None:
         return next((m for m in self.modes if m.mode.name == name), None)
@@ -404,7 +405,7 @@ def markdown(res: SloResults) -> str:
     return f"""## Holding a latency target: the benchmark
 
 Command (took {res.seconds:.0f} s; `/proc/loadavg` before: `{load.get("before", "—")}`, \
-after: `{load.get("after", "—")}`; the machine is shared):
+after: `{load.get("after", "—")}`; the machine is shared; code: {res.code or "—"}):
 
 ```sh
 {res.command}
