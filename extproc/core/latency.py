@@ -76,6 +76,8 @@ class DeadlineAdmission:
         self.classes = classes
         self.estimates: dict[str, WorkerEstimate] = {}
         self.held: dict[str, HeldQueue] = {}
+        # Every model that has held a request since the start (its series stay, at 0).
+        self.held_models: set[str] = set()
         self.met: dict[str, TargetMet] = {}
 
     # ----- targets -------------------------------------------------------------------
@@ -207,6 +209,7 @@ class DeadlineAdmission:
         q = self.held.get(model)
         if q is None:
             q = self.held[model] = HeldQueue()
+            self.held_models.add(model)
         return q
 
     def held_count(self, worker_id: str) -> int:

@@ -230,7 +230,6 @@ class HeldCollector(Collector):
 
     def __init__(self, admission: DeadlineAdmission) -> None:
         self.admission = admission
-        self.seen: set[str] = set()
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []
@@ -241,10 +240,10 @@ class HeldCollector(Collector):
             "Requests held in the router for a slot (deadline admission), per model.",
             labels=["model"],
         )
-        now = {model: len(q) for model, q in self.admission.held.items() if q}
-        self.seen.update(now)
-        for model in sorted(self.seen):
-            held.add_metric([model], now.get(model, 0))
+        queues = self.admission.held
+        for model in sorted(self.admission.held_models):
+            q = queues.get(model)
+            held.add_metric([model], len(q) if q else 0)
         yield held
 
 

@@ -31,7 +31,9 @@ def make(
     clock.t = 100.0
     pool = WorkerPool(BusyThresholds(decode, ttft_p99_target_ms=target_ms), clock=clock)
     admission = DeadlineAdmission(pool)
-    handler = ExtProcHandler(pool, Scheduler(pool), Metrics(), admission=admission)
+    metrics = Metrics()
+    metrics.watch_admission(admission)
+    handler = ExtProcHandler(pool, Scheduler(pool), metrics, admission=admission)
     pool.on_capacity = handler.capacity_changed
     pool.on_load = handler.load_reported
     for i, wid in enumerate(workers):
@@ -138,6 +140,8 @@ async def test_a_request_that_fits_after_a_wait_is_held_and_sent_when_the_slot_f
     await asyncio.sleep(0)
     assert not task.done()
     assert handler.admission is not None and len(handler.admission.held["m"]) == 1
+    registry = handler.metrics.registry
+    assert registry.get_sample_value("extproc_held_requests", {"model": "m"}) == 1
     clock.t += 0.8
     finish(first)  # the slot frees: the held request goes at once
     resp = parsed(await asyncio.wait_for(task, 1))
@@ -145,6 +149,7 @@ async def test_a_request_that_fits_after_a_wait_is_held_and_sent_when_the_slot_f
     assert not handler.admission.held.get("m")
     assert counter(handler, "extproc_held_wait_seconds_count") == 1
     assert counter(handler, "extproc_held_wait_seconds_sum") == pytest.approx(0.8)
+    assert registry.get_sample_value("extproc_held_requests", {"model": "m"}) == 0
 
 
 async def test_held_requests_go_out_earliest_deadline_first() -> None:
