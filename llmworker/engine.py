@@ -17,7 +17,9 @@ Three layers, from the inside out:
   new request to the least-loaded rank.
 
 A running sequence holds ``ceil((prompt + generated) / block_size)`` blocks. The
-step that finishes a prompt's prefill also samples its first token.
+step that finishes a prompt's prefill also samples its first token. ``reserved_blocks``
+of the cache hold no tokens (vLLM keeps one block aside, its null block): the usage a rank
+reports is of the other blocks, as vLLM's ``kv_cache_usage_perc`` is.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class EngineConfig:
     step_decode_seq_s: float = 0.0002
     speedup: float = 1.0
     preemption: bool = True
+    reserved_blocks: int = 0  # blocks that hold no tokens (vLLM: 1, its null block)
+    # Tokens the served model's chat template adds to a chat request's prompt (its system
+    # prompt and role markers), which the router's estimate does not count: 0 counts a
+    # prompt exactly as the router estimates it.
+    chat_template_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_total_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,11 +71,27 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not math.isfinite(self.speedup) or self.speedup <= 0:
             raise ValueError(f"speedup must be a finite number > 0, got {self.speedup!r}")
+        template = self.chat_template_tokens
+        if isinstance(template, bool) or not isinstance(template, int) or template < 0:
+            raise ValueError(f"chat_template_tokens must be an integer >= 0, got {template!r}")
+        reserved = self.reserved_blocks
+        if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+            raise ValueError(f"reserved_blocks must be an integer >= 0, got {reserved!r}")
+        if reserved >= self.kv_total_blocks:
+            raise ValueError(
+                f"reserved_blocks {reserved} leaves none of kv_total_blocks "
+                f"{self.kv_total_blocks} for tokens; expected fewer than kv_total_blocks"
+            )
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks that hold tokens: the cache less the reserved ones."""
+        return self.kv_total_blocks - self.reserved_blocks
 
     @property
     def max_model_len(self) -> int:
         """Most tokens (prompt + output) one sequence can hold."""
-        return self.kv_total_blocks * self.block_size
+        return self.usable_blocks * self.block_size
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         """Modelled wall time of one step."""
@@ -148,11 +171,13 @@ class RankLoad:
     kv_total_blocks: int
     num_running: int
     num_waiting: int
+    reserved_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
-        """Fraction 0-1 of the KV cache in use."""
-        return self.active_decode_blocks / self.kv_total_blocks
+        """Fraction 0-1 of the blocks that hold tokens in use (vLLM's
+        ``kv_cache_usage_perc``: of ``num_gpu_blocks - 1``)."""
+        return self.active_decode_blocks / (self.kv_total_blocks - self.reserved_blocks)
 
 
 class EngineCore:
@@ -171,7 +196,7 @@ class EngineCore:
 
     @property
     def free_blocks(self) -> int:
-        return self.config.kv_total_blocks - self.used_blocks
+        return self.config.usable_blocks - self.used_blocks
 
     @property
     def has_work(self) -> bool:
@@ -184,6 +209,7 @@ class EngineCore:
             kv_total_blocks=self.config.kv_total_blocks,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            reserved_blocks=self.config.reserved_blocks,
         )
 
     def check(self, prompt_tokens: int, max_tokens: int, prefill_only: bool = False) -> None:

@@ -285,6 +285,7 @@ class SimWorker:
         if chat:
             _check_messages(body.get("messages"))
             prompt_tokens = estimate_tokens(body["messages"])
+            prompt_tokens += self.settings.engine.chat_template_tokens
             max_tokens = _optional_int(body, "max_completion_tokens", 1)
             if max_tokens is None:
                 max_tokens = _optional_int(body, "max_tokens", 1)

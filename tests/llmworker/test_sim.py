@@ -13,6 +13,7 @@ import pytest
 
 from extproc.devstack import async_wait_until as wait_until
 from extproc.openai.request import estimate_tokens
+from llmworker.engine import EngineConfig, EngineCore, SeqState
 from llmworker.sim import SimWorker
 from tests.llmworker.support import StartSim
 
@@ -491,3 +492,66 @@ async def test_ttft_histogram_counts_streamed_requests_from_submission_to_first_
     assert metric(text, f"{name}_sum", **labels) >= 3 * 0.030 * 0.95  # one 30 ms step each
     assert metric(text, f"{name}_bucket", le="0.02", **labels) == 0
     assert metric(text, f"{name}_bucket", le="+Inf", **labels) == 3
+
+
+def test_reserved_blocks_hold_no_tokens_so_preemption_comes_a_block_sooner() -> None:
+    """vLLM keeps one block of its cache aside (its null block): of 3 blocks, 2 hold tokens.
+    Two requests of 3 and 2 prompt tokens fill one block each; the older one's 5th token
+    needs a second block, so the younger is preempted, where 3 usable blocks hold all
+    three."""
+    for reserved, preempted in ((1, 1), (0, 0)):
+        cfg = EngineConfig(
+            kv_total_blocks=3, block_size=4, max_num_seqs=2, reserved_blocks=reserved
+        )
+        core = EngineCore(cfg)
+        assert cfg.max_model_len == 4 * (3 - reserved)
+        older, younger = core.add(3, 4), core.add(2, 4)
+        core.complete(core.schedule())  # both prompts, each with its first token: 1 block
+        assert (older.blocks, younger.blocks) == (1, 1)
+        # The usage is of the blocks that hold tokens, as vLLM's kv_cache_usage_perc is.
+        assert core.load().kv_usage == 2 / (3 - reserved)
+        assert core.load().kv_total_blocks == 3  # vLLM's num_gpu_blocks counts the null one
+        plan = core.schedule()
+        assert plan.preempted == preempted, reserved
+        assert (younger.state is SeqState.WAITING) == bool(preempted)
+
+
+def test_reserved_blocks_must_leave_a_block_for_tokens() -> None:
+    with pytest.raises(ValueError, match="reserved_blocks 2 leaves none of kv_total_blocks 2"):
+        EngineConfig(kv_total_blocks=2, reserved_blocks=2)
+    with pytest.raises(ValueError, match="reserved_blocks must be an integer >= 0, got -1"):
+        EngineConfig(reserved_blocks=-1)
+
+
+async def test_vllm_cpu_profile_reports_usage_of_the_blocks_that_hold_tokens(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """``--profile vllm-cpu``: blocks of 128, 17 of them with one aside; the page says 17 as
+    vLLM's does, and the usage of a request is of 16."""
+    worker = await start_sim("--model", "mm", "--profile", "vllm-cpu", "--speedup", "20")
+    text = await scrape(http, worker)
+    assert metric(text, "vllm:cache_config_info", num_gpu_blocks="17", block_size="128") == 1
+    body = {"model": "mm", "prompt": "y" * 1200, "max_tokens": 200, "stream": True}
+    async with http.post(url(worker, "/v1/completions"), json=body) as r:
+        await r.content.readuntil(b"\n\n")  # the first token is out: 301 tokens, 3 blocks
+        text = await scrape(http, worker)
+        assert worker.engine.loads()[0].active_decode_blocks == 3
+        assert metric(text, "vllm:kv_cache_usage_perc", engine="0", model_name="mm") == 3 / 16
+        r.close()
+
+
+async def test_vllm_cpu_profile_counts_the_chat_template_in_a_chat_prompt(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """vLLM counts SmolLM2's chat template (31 tokens for one user message) in a chat
+    request's prompt, the router does not; a completion has no template."""
+    worker = await start_sim("--model", "mm", "--profile", "vllm-cpu", "--speedup", "20")
+    messages = [{"role": "user", "content": "y" * 400}]
+    chat = {"model": "mm", "messages": messages, "max_tokens": 2}
+    async with http.post(url(worker, "/v1/chat/completions"), json=chat) as r:
+        assert (await r.json())["usage"]["prompt_tokens"] == estimate_tokens(messages) + 31
+    plain = {"model": "mm", "prompt": "y" * 400, "max_tokens": 2}
+    async with http.post(url(worker, "/v1/completions"), json=plain) as r:
+        assert (await r.json())["usage"]["prompt_tokens"] == 100
+    with pytest.raises(ValueError, match="chat_template_tokens must be an integer >= 0, got -1"):
+        EngineConfig(chat_template_tokens=-1)
