@@ -28,7 +28,8 @@ router ahead of it::
   reports no slots and no waiting count is flagged ``gateway_only``: its prediction comes
   from the router's own timings alone.
 - ``service``: mean time a request holds a slot: its decode (first body byte to stream end,
-  measured) plus its prefill (the fit below), an average of about the last
+  measured) plus its prefill (the fit below), or for a non-streamed response that completes,
+  dispatch to its end, an average of about the last
   ``EWMA_SAMPLES`` requests. ``slots / service`` is the rate at which a full worker
   completes requests. Taken on every request, not only while the worker is full, so the
   first overload is predicted from the load before it; an engine whose decode slows as it
@@ -271,13 +272,23 @@ class WorkerEstimate:
             return
         self.fit.add(f.prompt_tokens + f.pending, elapsed)
 
-    def ended(self, key: Hashable, now: float, output_tokens: int | None = None) -> None:
-        """``key``'s stream ended (or failed, or the client left) at ``now``."""
+    def ended(
+        self,
+        key: Hashable,
+        now: float,
+        output_tokens: int | None = None,
+        completed: bool = False,
+    ) -> None:
+        """``key``'s stream ended (or failed, or the client left) at ``now``. ``completed``:
+        a response whose first token was never seen (not streamed) finished normally: the
+        time from its dispatch is the time it held a slot."""
         f = self.flights.pop(key, None)
         if f is None:
             return
         if f.first_byte is None:
-            return  # never started generating: no service time to learn
+            if completed:  # a whole non-streamed response: prefill and decode
+                self.service.add(max(0.0, now - f.dispatched))
+            return  # else it never started generating: no service time to learn
         self.streaming -= 1
         decode = max(0.0, now - f.first_byte)
         self.service.add(decode + self.fit.predict(f.prompt_tokens))

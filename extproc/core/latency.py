@@ -145,11 +145,17 @@ class DeadlineAdmission:
             est.first_byte(key, now)
 
     def ended(
-        self, key: Hashable, worker: Worker, now: float, output_tokens: int | None = None
+        self,
+        key: Hashable,
+        worker: Worker,
+        now: float,
+        output_tokens: int | None = None,
+        completed: bool = False,
     ) -> None:
+        """Request ``key`` ended; ``completed``: its 2xx response finished normally."""
         est = self.estimates.get(worker.worker_id)
         if est is not None:
-            est.ended(key, now, output_tokens)
+            est.ended(key, now, output_tokens, completed)
 
     def ttft_measured(self, model: str, seconds: float, target_s: float) -> bool:
         """An admitted request's measured TTFT against its target; whether it met it."""
@@ -239,7 +245,7 @@ class DeadlineAdmission:
         typical = round(est.prompt_tokens.get() or 0)
         return est.idle_ttft(typical) > target
 
-    def view(self, worker: Worker) -> dict[str, object] | None:
+    def view(self, worker: Worker) -> dict[str, object]:
         """What /debug/workers shows of ``worker``'s prediction (times in ms)."""
         est = self.estimates.get(worker.worker_id)
         if est is None:

@@ -148,6 +148,7 @@ class InFlight:
         "key",
         "model",
         "observed",
+        "ok",
         "output_source",
         "request_class",
         "request_id",
@@ -187,6 +188,8 @@ class InFlight:
         self.output_source = 0
         # A streamed 2xx response began (it was not over at its headers).
         self.streaming = False
+        # The response headers said 2xx.
+        self.ok = False
         # What names it to deadline admission, when it reached the router, and its TTFT
         # target (None: none), whose meeting is counted at its first body byte.
         self.key: Hashable = self
@@ -216,7 +219,7 @@ class InFlight:
         the ``ip:port`` that served it, "" when not said."""
         if event_stream:
             self.stream = True  # decided on the headers: the body's "stream" was not read
-        ok = 200 <= status < 300
+        ok = self.ok = 200 <= status < 300
         if not ok:
             if unreachable and status >= 500:
                 return self._worker_unreachable()
@@ -226,7 +229,7 @@ class InFlight:
         if served and not ticket.worker.serves_at(served):
             self._served_elsewhere(served)
         if end_of_stream:
-            self._release()
+            self._release(completed=ok)
         elif self.stream and ok:
             self._output_begins()
         return None
@@ -240,11 +243,11 @@ class InFlight:
         if first and self.stream:
             self._first_token(self.first_byte_at)
         if end_of_stream and source == ROUTING_STREAM:
-            self._release()
+            self._release(completed=self.ok)
 
     def response_over(self) -> None:
         """The response's trailers: it is over."""
-        self._release()
+        self._release(completed=self.ok)
 
     def end(self) -> None:
         """The routing stream ended, whatever ended it: the estimate is released."""
@@ -258,16 +261,18 @@ class InFlight:
         if self.request_id is not None:
             table.live.pop(self.request_id, None)
 
-    def _release(self) -> None:
-        """The request is over: deadline admission learns its end, then the pool releases
-        its estimate (idempotent)."""
+    def _release(self, completed: bool = False) -> None:
+        """The request is over: deadline admission learns its end (``completed``: its 2xx
+        response finished, not cut short), then the pool releases its estimate
+        (idempotent)."""
         table = self.table
         ticket = self.ticket
         if ticket.released:
             return
         admission = table.admission
         if admission is not None:
-            admission.ended(self.key, ticket.worker, table.pool.clock(), ticket.generated)
+            now = table.pool.clock()
+            admission.ended(self.key, ticket.worker, now, ticket.generated, completed)
         table.pool.release(ticket)
 
     def _first_token(self, at: float) -> None:

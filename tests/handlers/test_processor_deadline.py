@@ -340,3 +340,33 @@ async def test_each_class_is_judged_by_its_own_target_and_a_class_without_one_is
     finish(other)
     resp = parsed(await asyncio.wait_for(task, 1))
     assert destination(resp) == "127.0.0.1:1"
+
+
+def test_non_streamed_responses_teach_the_completion_rate_and_nothing_else() -> None:
+    handler, clock = make(target_ms=5000.0)
+    assert handler.admission is not None
+    for i in range(3):
+        session, raw = send(handler, f"r{i}")
+        assert destination(parsed(raw)) == "127.0.0.1:1"
+        clock.t += 0.5
+        session.receive(response_headers(200, extra={"content-type": "application/json"}))
+        session.receive(
+            ep.ProcessingRequest(
+                response_body=ep.HttpBody(
+                    body=b'{"usage":{"completion_tokens":3}}', end_of_stream=True
+                )
+            ).SerializeToString()
+        )
+        session.close()
+    view = handler.admission.view(handler.pool.workers["a"])
+    assert view["service_ms"] == pytest.approx(500.0)  # dispatch to the end of the response
+    assert view["completion_rate_per_s"] == pytest.approx(2.0)
+    missing = view["missing"]
+    assert isinstance(missing, list) and "prefill" in missing  # not a first token
+    assert counter(handler, "extproc_ttft_target_met_total", model="m", met="true") == 0
+    # A response cut short (the client left before its end) teaches nothing.
+    session, _ = send(handler, "cut")
+    clock.t += 0.05
+    session.close()
+    after = handler.admission.view(handler.pool.workers["a"])
+    assert after["service_ms"] == pytest.approx(500.0)
