@@ -1,0 +1,107 @@
+"""DeadlineAdmission with plain values: targets of models and classes, the estimates it
+feeds from load reports, what it shows, and the estimates of workers that left."""
+
+from __future__ import annotations
+
+from extproc.core.busy import BusyThresholds
+from extproc.core.classes import ClassRegistry, parse_table
+from extproc.core.deadline import Dispatch, Hold, Reject
+from extproc.core.latency import GATEWAY_ONLY, DeadlineAdmission
+from extproc.core.pool import WorkerPool
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(target_ms: float | None = 1000.0) -> tuple[WorkerPool, DeadlineAdmission]:
+    pool = WorkerPool(BusyThresholds(ttft_p99_target_ms=target_ms), clock=Clock())
+    registry = ClassRegistry(
+        parse_table(
+            {
+                "default": "standard",
+                "classes": {"critical": {"ttft_p99_target_ms": 200}, "standard": {}},
+            }
+        ),
+        pool,
+    )
+    return pool, DeadlineAdmission(pool, registry)
+
+
+def test_a_class_target_replaces_the_models_and_a_class_without_one_uses_the_models() -> None:
+    pool, admission = make(1000.0)
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    assert admission.target_s("m", "critical") == 0.2
+    assert admission.target_s("m", "standard") == 1.0
+    assert admission.target_s("m", "nope") == 1.0
+    assert admission.target_s("m") == 1.0
+    pool.set_thresholds("m", BusyThresholds())
+    assert admission.target_s("m") is None
+    assert admission.target_s("m", "critical") == 0.2
+
+
+def test_load_reports_are_summed_over_the_ranks_that_report_each_field() -> None:
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1", dp_size=2)
+    pool.on_load = admission.load
+    pool.report_load("w", dp_rank=0, num_requests_waiting=2, request_total_slots=4)
+    pool.report_load("w", dp_rank=1, num_requests_waiting=1, request_active_slots=3)
+    est = admission.estimates["w"]
+    assert (est.waiting, est.active, est.total_slots) == (3, 3, 4)
+    assert not est.gateway_only
+
+
+def test_a_worker_with_no_queue_fields_is_shown_as_predicted_from_the_gateway() -> None:
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.on_load = admission.load
+    pool.report_load("w", active_decode_blocks=3)
+    view = admission.view(pool.workers["w"])
+    assert view["from"] == GATEWAY_ONLY
+    assert view["held_requests"] == 0 and view["target_unreachable"] is False
+
+
+def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
+    admission.load(pool.workers["w"])
+    worker = pool.workers["w"]
+    t = 0.0
+    for i in range(6):  # 0.1 s to the first byte, 1 s a request
+        admission.dispatched(i, worker, 100, t, t)
+        admission.first_byte(i, worker, t + 0.1)
+        admission.ended(i, worker, t + 1.0, 10)
+        t += 1.0
+    decision, _ = admission.decide("m", [worker], 100, 1.0, t, t)
+    assert isinstance(decision, Dispatch)
+    admission.dispatched("busy", worker, 100, t, t)
+    decision, _ = admission.decide("m", [worker], 100, 5.0, t, t)  # ~1 s wait fits 5 s
+    assert isinstance(decision, Hold) and decision.deadline <= t + 5.0
+    decision, _ = admission.decide("m", [worker], 100, 0.5, t, t)  # it does not fit 0.5 s
+    assert isinstance(decision, Reject) and decision.wait is not None and decision.wait > 0.5
+
+
+def test_the_share_met_and_the_models_with_a_target() -> None:
+    pool, admission = make(500.0)
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    assert admission.ttft_measured("m", 0.4, 0.5) is True
+    assert admission.ttft_measured("m", 0.6, 0.5) is False
+    assert admission.ttft_measured("m", 0.5, 0.5) is True  # at the target: met
+    [model] = list(admission.models())
+    assert (model.model, model.target_s, model.held) == ("m", 0.5, 0)
+    assert model.met.share == 2 / 3
+
+
+def test_the_estimates_of_workers_that_left_are_dropped() -> None:
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.announce("v", model="m", endpoint="127.0.0.1:2")
+    admission.estimate("w")
+    admission.estimate("v")
+    pool.leave("w")
+    assert admission.prune() == ["w"]
+    assert set(admission.estimates) == {"v"}
