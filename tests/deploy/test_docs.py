@@ -125,12 +125,6 @@ QUOTING = {
     "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
-    "latency-target.md": {
-        ("rows", "slo-results.md"),
-        ("slo goodput per phase", "slo-results.json"),
-        ("slo goodput per phase", "slo-100ms-results.json"),
-        ("slo goodput per phase", "slo-llamacpp-results.json"),
-    },
 }  # fmt: skip
 
 
