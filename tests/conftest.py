@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,12 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import Envoy, Extproc, Proc, Publisher, start_echo_worker
+from extproc.devstack.procs import _HANDED_OUT, _fixed_ports
+
+# Every extproc a test starts serves at once instead of after the 1-s startup grace (its
+# wait for the workers' publishers to reconnect after a restart): hundreds of starts a run.
+# A test about a restart passes ``--startup-grace`` itself; exporting the variable wins.
+os.environ.setdefault("EXTPROC_STARTUP_GRACE", "0")
 
 # The ext_proc servers a module's stack runs on: the builtin one (default) and grpcio's.
 GRPC_SERVERS = ["builtin", "grpcio"]
@@ -89,8 +96,44 @@ STACK_FIXTURES = {"make_stack", "echo_workers"}
 TESTS = Path(__file__).resolve().parent
 
 
+# The folders of the longest modules (benchmarks, whole stacks), run first: with
+# ``make test``'s two processes (pytest-xdist, a module per process at a time) a long module
+# started last would leave the other process idle until it ends.
+LONG_FIRST = ("loadtest", "integration", "deploy")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _own_ports_only()
+
+
+def _own_ports_only() -> None:
+    """Under pytest-xdist, each process hands out only its own share of the free ports
+    (port modulo the number of processes): two processes never pick the same one between
+    its check and its server's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return
+    index = int(worker[2:])
+    _HANDED_OUT.update(p for p in _fixed_ports() if p % count != index)
+
+
+# Modules that time the real engine against itself (a slowdown's ratio): another test's
+# load beside them skews it. ``make test`` runs them alone, with the ``serial`` marker.
+SERIAL_MODULES = {"loadtest/test_slo_llamacpp.py"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        folder = item.path.relative_to(TESTS).parts[0]
+        relative = item.path.relative_to(TESTS)
+        folder = relative.parts[0]
         if folder in ENVOY_DIRS or STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.envoy)
+        if relative.as_posix() in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+    def rank(item: pytest.Item) -> int:
+        folder = item.path.relative_to(TESTS).parts[0]
+        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept

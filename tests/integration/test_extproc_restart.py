@@ -22,6 +22,7 @@ from extproc.devstack import (
     Extproc,
     Proc,
     Publisher,
+    answers,
     free_port,
     get_json,
     http,
@@ -46,6 +47,9 @@ def sim(log_dir: Path) -> Iterator[tuple[Proc, int, str]]:
         log_dir,
     )  # fmt: skip
     try:
+        # Running before the first extproc starts: its publisher has the whole grace to
+        # connect even when the machine is slow to start a Python process.
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/health"), 20, "sim up")
         yield proc, port, f"{event_port}"
     finally:
         proc.stop()
@@ -67,7 +71,7 @@ def test_ready_means_the_workers_are_known_after_every_restart(
     _, sim_port, event_port = sim
     ports = _ports(event_port)
     for attempt in range(3):
-        extproc = Extproc(log_dir, ports=ports, wait_ready=False)
+        extproc = Extproc(log_dir, ["--startup-grace", "1"], ports=ports, wait_ready=False)
         try:
             health = extproc.admin + "/health"
 

@@ -297,7 +297,8 @@ def test_extproc_sigkill_and_restart_fails_open(
     sim_stack: Callable[..., SimStack], log_dir: Path
 ) -> None:
     row = "extproc_sigkill_restart"
-    s = sim_stack(["--worker-ttl", "10"])
+    # The grace lets the engines' publishers find the restarted extproc before it serves.
+    s = sim_stack(["--worker-ttl", "10", "--startup-grace", "1"])
     assert s.envoy is not None
     # A threshold set at run time (loose enough to reject nothing here).
     status, _, _ = http("POST", s.ext.admin + "/busy_threshold",
