@@ -71,7 +71,7 @@ demo: $(STAMP) $(if $(filter llamacpp,$(ENGINE)),$(ENGINE_STAMP)) $(if $(filter 
 	$(PY) -m extproc.devstack --engine $(ENGINE) $(ARGS)
 
 test: $(STAMP) $(ENGINE_STAMP) $(VLLM_STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	{ $(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]; } && $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Run the tests that need no Envoy (under a minute)
 	$(PY) -m pytest -q -m "not envoy" $(PYTEST_ARGS)

@@ -26,7 +26,9 @@ CLIENTS = 4000
 SECONDS = 3.0
 H2 = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
-pytestmark = pytest.mark.slow
+# A storm needs the machine to itself (it skips when the load average says otherwise):
+# `make test` runs it alone, before the tests it runs in parallel.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture
