@@ -63,11 +63,13 @@ class Stack:
 
 
 @contextlib.contextmanager
-def sim_stack(tmp_path: Path, publish: bool = True) -> Iterator[Stack]:
+def sim_stack(
+    tmp_path: Path, publish: bool = True, ext_args: tuple[str, ...] = ()
+) -> Iterator[Stack]:
     """The extproc, one simulated engine ("sim", model "m", one slot) and Envoy with the
     output-observing filter chain; everything stopped on the way out. ``publish`` False:
     the engine publishes nothing (the test announces it)."""
-    ext = Extproc(tmp_path, ["--worker-ttl", "60", "--log-level", "INFO"])
+    ext = Extproc(tmp_path, ["--worker-ttl", "60", "--log-level", "INFO", *ext_args])
     port = free_port()
     sim = envoy = None
     try:
@@ -98,9 +100,14 @@ class Result:
     done: float
 
 
-async def request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
+async def request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Result:
     start = time.monotonic()
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
         first = None
         async for _ in resp.content.iter_any():
             if first is None:
@@ -246,3 +253,34 @@ async def test_a_worker_without_queue_fields_is_predicted_from_the_gateways_timi
             assert view["gateway_delay_ms"] >= 0 and view["prefill_overhead_ms"] > 0
         finally:
             pub.close()
+
+
+CLASS_TARGETS = """
+default: standard
+classes:
+  critical: {priority: 0, ttft_p99_target_ms: 10000}
+  standard: {priority: 1}
+  sheddable: {priority: 2, ttft_p99_target_ms: 300}
+"""
+
+
+async def test_a_class_target_is_the_deadline_of_that_classs_requests(tmp_path: Path) -> None:
+    """The slot taken by a long request: a sheddable request (300 ms) cannot wait for it and
+    is answered at once; a critical one (10 s) is held and served when it frees."""
+    classes = tmp_path / "classes.yaml"
+    classes.write_text(CLASS_TARGETS)
+    with sim_stack(tmp_path, ext_args=("--classes-file", str(classes))) as stack:
+        url = stack.envoy.url
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await warm_up(session, stack)
+            long = asyncio.ensure_future(request(session, url, LONG))
+            await occupied(stack)
+            shed = await request(session, url, SHORT, {"x-request-class": "sheddable"})
+            assert shed.status == 529 and shed.done < 0.25
+            assert shed.headers["x-shed-reason"] == "deadline"
+            assert shed.headers["x-shed-class"] == "sheddable"
+            critical = await request(session, url, SHORT, {"x-request-class": "critical"})
+            assert (await long).status == 200
+        assert critical.status == 200 and critical.first_byte > 1.0  # held for the slot
+        assert stack.metric("extproc_held_wait_seconds_count") == 1
