@@ -206,7 +206,7 @@ async def test_a_wait_past_the_target_is_answered_at_once_and_removing_the_targe
         await occupied(stack)
         refused = await request(session, url, SHORT)
         assert refused.status == 529
-        assert refused.done < 0.25  # at once, not after the wait
+        assert refused.done < 0.5  # at once, not after the ~2 s wait
         assert refused.headers["x-shed-reason"] == "deadline"
         assert 1 <= int(refused.headers["retry-after"]) <= 60
         assert int(refused.headers["retry-after-ms"]) >= 1
@@ -277,7 +277,7 @@ async def test_a_class_target_is_the_deadline_of_that_classs_requests(tmp_path: 
             long = asyncio.ensure_future(request(session, url, LONG))
             await occupied(stack)
             shed = await request(session, url, SHORT, {"x-request-class": "sheddable"})
-            assert shed.status == 529 and shed.done < 0.25
+            assert shed.status == 529 and shed.done < 0.5  # at once, not after ~2 s
             assert shed.headers["x-shed-reason"] == "deadline"
             assert shed.headers["x-shed-class"] == "sheddable"
             critical = await request(session, url, SHORT, {"x-request-class": "critical"})
