@@ -25,6 +25,7 @@ times passed in or read from the pool's clock, no I/O: the request path
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from extproc.core.classes import ClassRegistry
 from extproc.core.deadline import (
     Decision,
     Prediction,
+    Reject,
     WorkerEstimate,
     decide,
     predict_all,
@@ -42,6 +44,10 @@ from extproc.core.worker import Worker
 
 # What /debug/workers says of a worker that reports no slots and no waiting count.
 GATEWAY_ONLY = "predicted from the gateway's timings alone"
+# A worker with a slot free that a request is rejected from anyway (its measured idle TTFT,
+# with its spread, is above the target) still gets one request this often, so that the
+# measurement follows the worker: a cold start or a stall is not held against it for ever.
+PROBE_UNREACHABLE_SECONDS = 0.25
 
 
 @dataclass(slots=True)
@@ -79,6 +85,8 @@ class DeadlineAdmission:
         # Every model that has held a request since the start (its series stay, at 0).
         self.held_models: set[str] = set()
         self.met: dict[str, TargetMet] = {}
+        # When each worker last got a request its target was unreachable for (a probe).
+        self.probed_at: dict[str, float] = {}
 
     # ----- targets -------------------------------------------------------------------
 
@@ -174,6 +182,7 @@ class DeadlineAdmission:
         gone = [wid for wid in self.estimates if wid not in self.pool.workers]
         for wid in gone:
             del self.estimates[wid]
+            self.probed_at.pop(wid, None)
         return gone
 
     # ----- the decision ----------------------------------------------------------------
@@ -210,6 +219,21 @@ class DeadlineAdmission:
         the thresholds); with the predictions it was decided on."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
         return decide(preds, target_s, now, arrived), preds
+
+    def probe(self, decision: Decision, preds: Sequence[Prediction], now: float) -> str | None:
+        """The worker a rejected request goes to anyway, to measure it again: when it is
+        rejected although a worker has a slot free (no wait: only the measured prefill and
+        gateway delay, with their spread, are above the target), the free worker with the
+        smallest idle TTFT that has not had such a request for
+        :data:`PROBE_UNREACHABLE_SECONDS`; None: reject."""
+        if not isinstance(decision, Reject):
+            return None
+        idle = [p for p in preds if p.can_start and p.wait == 0]
+        for p in sorted(idle, key=lambda p: p.idle):
+            if now - self.probed_at.get(p.worker, -math.inf) >= PROBE_UNREACHABLE_SECONDS:
+                self.probed_at[p.worker] = now
+                return p.worker
+        return None
 
     def queue(self, model: str) -> HeldQueue:
         q = self.held.get(model)

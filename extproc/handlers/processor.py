@@ -578,6 +578,10 @@ class ExtProcHandler:
         if type(decision) is Dispatch:
             worker = next(w for w in candidates if w.worker_id == decision.worker)
             return self._route_to(st, worker, preds)
+        probe = self.admission.probe(decision, preds, now)
+        if probe is not None:  # unreachable: measured again, once a second per worker
+            worker = next(w for w in candidates if w.worker_id == probe)
+            return self._route_to(st, worker, preds)
         if type(decision) is Hold:
             cls = st.request_class
             st.held_since = now

@@ -105,3 +105,34 @@ def test_the_estimates_of_workers_that_left_are_dropped() -> None:
     pool.leave("w")
     assert admission.prune() == ["w"]
     assert set(admission.estimates) == {"v"}
+
+
+def test_an_unreachable_target_still_measures_a_free_worker_four_times_a_second() -> None:
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
+    admission.load(pool.workers["w"])
+    worker = pool.workers["w"]
+    t = 0.0
+    for i in range(8):  # cold: 0.1 s to the first byte
+        admission.dispatched(i, worker, 100, t, t)
+        admission.first_byte(i, worker, t + 0.1)
+        admission.ended(i, worker, t + 0.2, 10)
+        t += 1.0
+    decision, preds = admission.decide("m", [worker], 100, 0.05, t, t)
+    assert isinstance(decision, Reject) and decision.unreachable
+    assert admission.probe(decision, preds, t) == "w"
+    assert admission.probe(decision, preds, t + 0.2) is None  # at most every 0.25 s
+    t += 0.25
+    probes = 0
+    while isinstance(decision, Reject):  # warm now: 10 ms to the first byte
+        assert admission.probe(decision, preds, t) == "w"
+        admission.dispatched(("p", probes), worker, 100, t, t)
+        admission.first_byte(("p", probes), worker, t + 0.01)
+        admission.ended(("p", probes), worker, t + 0.1, 10)
+        probes += 1
+        t += 0.25
+        decision, preds = admission.decide("m", [worker], 100, 0.05, t, t)
+        # Within the prefill fit's memory (about the last 100 requests).
+        assert probes < 100, "the measurement does not follow the worker"
+    assert isinstance(decision, Dispatch)

@@ -277,9 +277,17 @@ def test_a_target_below_an_idle_workers_ttft_is_shown_unreachable() -> None:
     idle = view["idle_ttft_ms"]
     assert isinstance(idle, float) and 50 < idle < 150
     assert str(view["target"]) == f"target unreachable: an idle worker takes {idle:.0f} ms"
-    _, raw = send(handler, "r1")
+    # Four requests a second still go to the free worker, to measure it again: it may have
+    # been slow only while cold.
+    probe, raw = send(handler, "probe")
+    assert destination(parsed(raw)) == "127.0.0.1:1"
+    finish(probe)
+    _, raw = send(handler, "r1")  # the worker idle again, but probed less than 0.25 s ago
     status, hdrs, _ = local(parsed(raw))
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+    clock.t += 0.25
+    probe, raw = send(handler, "probe2")
+    assert destination(parsed(raw)) == "127.0.0.1:1"
 
 
 # ----- request classes: a class's target is its deadline -----------------------------------
