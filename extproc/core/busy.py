@@ -9,24 +9,19 @@ for whole-number loads ``load > x`` is the same as ``load > floor(x)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 
 DECODE = "active_decode_blocks_threshold"
 PREFILL = "active_prefill_tokens_threshold"
 PREFILL_FRAC = "active_prefill_tokens_threshold_frac"
 THRESHOLD_NAMES = (DECODE, PREFILL, PREFILL_FRAC)
-# Latency targets (docs/latency-target.md): with one set, the thresholds are the ceiling
-# the latency controller scales down from.
+# Latency targets (docs/latency-target.md): with a TTFT target set, requests are admitted by
+# their deadline and the thresholds, where configured, stay ceilings.
 TTFT_TARGET = "ttft_p99_target_ms"
 ITL_TARGET = "itl_p99_target_ms"
 TARGET_NAMES = (TTFT_TARGET, ITL_TARGET)
 MAX_TARGET_MS = 600_000
-# A latency target with no threshold configured scales a full worker: every KV block in use
-# (decode 1.0) and one batch of prompt tokens waiting (prefill fraction 1.0); past either
-# the engine queues, so a worker is at least that busy whatever the target.
-TARGET_ALONE_DECODE = 1.0
-TARGET_ALONE_PREFILL_FRAC = 1.0
 # The token threshold is an unsigned 64-bit integer, as in Dynamo.
 MAX_TOKEN_THRESHOLD = 2**64 - 1
 
@@ -42,18 +37,6 @@ class BusyThresholds:
     ttft_p99_target_ms: float | None = None
     itl_p99_target_ms: float | None = None
 
-    @property
-    def any_set(self) -> bool:
-        return (
-            self.active_decode_blocks is not None
-            or self.active_prefill_tokens is not None
-            or self.active_prefill_tokens_frac is not None
-        )
-
-    @property
-    def has_target(self) -> bool:
-        return self.ttft_p99_target_ms is not None or self.itl_p99_target_ms is not None
-
     def as_dict(self) -> dict[str, float | int | None]:
         """The three thresholds (nulls included), then each latency target only while set."""
         out: dict[str, float | int | None] = {
@@ -66,20 +49,6 @@ class BusyThresholds:
         if self.itl_p99_target_ms is not None:
             out[ITL_TARGET] = self.itl_p99_target_ms
         return out
-
-
-def ceiling(th: BusyThresholds, class_target: bool = False) -> BusyThresholds:
-    """The thresholds a model's limits are built from: ``th`` as configured, or, with a
-    latency target (the model's, or a request class's: ``class_target``) and no threshold
-    configured, a full worker (:data:`TARGET_ALONE_DECODE`,
-    :data:`TARGET_ALONE_PREFILL_FRAC`) for the controller to scale down from."""
-    if th.any_set or not (th.has_target or class_target):
-        return th
-    return replace(
-        th,
-        active_decode_blocks=TARGET_ALONE_DECODE,
-        active_prefill_tokens_frac=TARGET_ALONE_PREFILL_FRAC,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +64,6 @@ class Share:
 
 
 FULL_SHARE = Share()
-
-
-def scaled_share(share: Share, scale: float) -> Share:
-    """``share`` times the latency controller's multiplier (1 = unchanged), to 6 decimals
-    so that the limits stay exact in decimal."""
-    if scale == 1.0:
-        return share
-    return Share(
-        round(share.active_decode_blocks * scale, 6),
-        round(share.active_prefill_tokens * scale, 6),
-        round(share.active_prefill_tokens_frac * scale, 6),
-    )
 
 
 def scaled_limit(threshold: float, capacity: int, share: float = 1.0) -> int:
