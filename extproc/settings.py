@@ -275,14 +275,14 @@ class Settings(SettingsTable):
         le=float(MAX_TARGET_MS),
         allow_inf_nan=False,
     )
-    ttft_source: Annotated[TtftSource, BeforeValidator(stripped)] = setting(
-        "gateway",
+    ttft_source: Annotated[TtftSource | None, BeforeValidator(stripped)] = setting(
+        None,
         "--ttft-source",
         "EXTPROC_TTFT_SOURCE",
         "busy",
-        "kept for existing configurations; it changes nothing: deadline admission predicts "
-        "from the gateway's own timings and the engines' queue fields, and shows the "
-        "engine-reported TTFT beside them. Default: gateway",
+        "deprecated, no effect (accepted for old launch commands): gateway | engine; "
+        "deadline admission predicts from the gateway's own timings and the engines' queue "
+        "fields",
         metavar="{gateway,engine}",
         expected="gateway or engine",
     )
@@ -740,6 +740,14 @@ class Settings(SettingsTable):
                 "--active-prefill-tokens-threshold or --active-prefill-tokens-threshold-frac "
                 "(DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD, DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD, "
                 "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC) instead"
+            )
+        if self.ttft_source is not None:
+            warnings.append(
+                f"--ttft-source={self.ttft_source} (EXTPROC_TTFT_SOURCE) is deprecated and has "
+                "no effect: the latency controller it chose a source for was replaced by "
+                "deadline admission, which predicts each request's time to first token from "
+                "the gateway's own timings and the engines' queue fields (--ttft-p99-target-ms; "
+                "docs/latency-target.md)"
             )
         if self.active_decode_blocks_threshold is not None and not self.kv_mode:
             warnings.append(

@@ -227,6 +227,27 @@ def test_deprecation_and_mode_warnings_logged_once_at_startup(tmp_path: object) 
         ext.stop()
 
 
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--ttft-source", "engine"], {}),
+        (["--ttft-source", "gateway"], {}),
+        ([], {"EXTPROC_TTFT_SOURCE": " engine "}),
+    ],
+)
+def test_ttft_source_is_accepted_has_no_effect_and_warns_once_naming_its_replacement(
+    argv: list[str], env: dict[str, str]
+) -> None:
+    s = load_settings(argv, env)
+    warnings = all_startup_warnings(s)
+    assert len(warnings) == 1, warnings
+    assert "--ttft-source=" in warnings[0] and "EXTPROC_TTFT_SOURCE" in warnings[0]
+    assert "deprecated and has no effect" in warnings[0]
+    assert "deadline admission" in warnings[0] and "--ttft-p99-target-ms" in warnings[0]
+    assert load_settings([], {}).ttft_source is None
+    assert all_startup_warnings(load_settings([], {})) == []
+
+
 def test_admission_control_env_any_valid_value_warns() -> None:
     s = load_settings([], {"DYN_ADMISSION_CONTROL": "none"})
     warnings = all_startup_warnings(s)
@@ -446,11 +467,10 @@ def test_bad_worker_busy_statuses_exit_2() -> None:
 def test_latency_targets_by_flag_and_env_with_clear_errors() -> None:
     s = load_settings(
         ["--ttft-p99-target-ms", "500", "--active-prefill-tokens-threshold", "8000"],
-        {"EXTPROC_ITL_P99_TARGET_MS": "40", "EXTPROC_TTFT_SOURCE": "engine"},
+        {"EXTPROC_ITL_P99_TARGET_MS": "40"},
     )
-    assert (s.ttft_p99_target_ms, s.itl_p99_target_ms, s.ttft_source) == (500.0, 40.0, "engine")
+    assert (s.ttft_p99_target_ms, s.itl_p99_target_ms) == (500.0, 40.0)
     assert all_startup_warnings(s) == []
-    assert load_settings([], {}).ttft_source == "gateway"
     for bad in ("0", "-3", "600001", "fast", "nan"):
         with pytest.raises(SettingsError) as err:
             load_settings(["--ttft-p99-target-ms", bad], {})
