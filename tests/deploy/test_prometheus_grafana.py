@@ -7,11 +7,14 @@ traffic of three request classes through Envoy (the shipped classes example and 
 tier routes of envoy/envoy.yaml; one class shed while the others are admitted), forces
 every worker busy (``POST /busy_threshold`` with
 ``active_decode_blocks_threshold`` 0.0 while every worker reports load), then evaluates every
-dashboard query and every alert expression through the HTTP API.
+dashboard query and every alert expression through the HTTP API. A second live test does the
+same for deadline admission's panels and alerts, on a simulated engine with one slot and a
+TTFT target: a request held for the slot, one rejected at once with the deadline reply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -21,11 +24,21 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
+from extproc.core.busy import TTFT_TARGET
 from extproc.devstack import ROOT, Proc, free_port, get_json, http, wait_until
 from tests.conftest import Stack
+from tests.integration.test_latency_target import (
+    LONG,
+    SHORT,
+    occupied,
+    request,
+    sim_stack,
+    warm_up,
+)
 
 DEPLOY = ROOT / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
@@ -39,16 +52,17 @@ MODEL = "llama"
 # followed by a matcher operator is a label, not a metric.
 SELECTOR = re.compile(r"\b((?:extproc|dynamo|envoy)_[A-Za-z0-9_]+|up)\b(?!\s*[=!~])(\{[^}]*\})?")
 OUTER_BY = re.compile(r"\s*\w+\s+by\s*\(([^)]*)\)")
-# Series that exist only while something happens; their names are still checked against
-# the extproc's /metrics (``# TYPE`` lines exist from startup).
-ONLY_WHILE_ACTIVE = {
-    "extproc_router_queue_depth",
-    # Only for models with a TTFT target (deadline admission).
+# Series of deadline admission: they exist only for models with a TTFT target (the held
+# wait: once something was held). The test with a target checks them.
+DEADLINE_SERIES = {
     "extproc_predicted_ttft_seconds_bucket",
     "extproc_ttft_target_met_total",
     "extproc_held_requests",
     "extproc_held_wait_seconds_bucket",
 }
+# Series that exist only while something happens; their names are still checked against
+# the extproc's /metrics (``# TYPE`` lines exist from startup).
+ONLY_WHILE_ACTIVE = {"extproc_router_queue_depth", *DEADLINE_SERIES}
 
 
 def _tool(name: str) -> str:
@@ -135,6 +149,10 @@ def test_dashboard_is_provisioned_from_the_repo_files() -> None:
         if panel["type"] != "row":
             assert panel["targets"], f"panel {panel['title']!r} has no query"
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    retired = re.compile(
+        r"extproc_latency_|extproc_worker_latency_limit|extproc_(engine_)?ttft_p99_seconds"
+    )
+    assert not [e for _, e in _dashboard_queries() if retired.search(e)], "retired series"
     variables = {v["name"] for v in dash["templating"]["list"]}
     used = {m for _, e in _dashboard_queries() for m in re.findall(r"\$(\w+)", e)}
     assert used <= variables | {"__rate_interval"}, used - variables
@@ -150,6 +168,12 @@ def test_dashboard_is_provisioned_from_the_repo_files() -> None:
         "router queue wait",
         "requests per class",
         "rejection ratio per class",
+        "predicted ttft p50 and p99 per model",
+        "share of admitted requests that met the ttft target",
+        "held requests per model",
+        "held wait p50 and p99",
+        "deadline rejections per second",
+        "background task errors",
     ):
         assert subject in titles, subject
 
@@ -417,12 +441,130 @@ def test_dashboard_queries_and_alerts_against_a_real_prometheus(
         ]
         assert MODEL in values  # the dashboard's $model variable
 
-        # Every alert expression evaluates, and each selector in it matches series.
+        # Every alert expression evaluates, and each selector in it matches series (those
+        # of deadline admission: in the test with a target).
         for rule in _alert_rules():
             prom.query(rule["expr"])
             for match in SELECTOR.finditer(rule["expr"]):
+                if match.group(1) in DEADLINE_SERIES:
+                    continue
                 selector = match.group(0)
                 assert prom.query(f"count({selector})"), (rule["alert"], selector)
     finally:
         prom.stop()
     assert time.monotonic() - started < 60
+
+
+def _deadline_queries() -> list[tuple[str, str]]:
+    """The dashboard queries of deadline admission's series (the deadline outcome too)."""
+    return [
+        (title, expr)
+        for title, expr in _dashboard_queries()
+        if {m.group(1) for m in SELECTOR.finditer(expr)} & DEADLINE_SERIES
+        or 'outcome="deadline"' in expr
+    ]
+
+
+@pytest.mark.slow
+async def test_deadline_admission_panels_and_alerts_against_a_real_prometheus(
+    tmp_path: Path,
+) -> None:
+    """A simulated engine with one slot, measured by two long requests; then with a 10 s
+    target a second request waits held in the router for the slot, and with a 300 ms target
+    one is rejected at once. Every panel on deadline admission's series then has data in a
+    Prometheus scraping the extproc, and the alerts on them evaluate on real series."""
+    _tool("prometheus")
+    queries = _deadline_queries()
+    titles = {title for title, _ in queries}
+    assert len(titles) == 5, titles  # predicted TTFT, share met, held, held wait, rejections
+    with sim_stack(tmp_path) as st:
+        prom = Prometheus(tmp_path, {"extproc": st.ext.admin + "/metrics"}, _fast_rules(tmp_path))
+        try:
+            wait_until(prom.ready, 20, "prometheus ready")
+            url = st.envoy.url
+            timeout = aiohttp.ClientTimeout(total=30)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                await warm_up(session, st)
+                assert st.post({"model": "m", TTFT_TARGET: 10_000})[0] == 200
+                long = asyncio.ensure_future(request(session, url, LONG))
+                await occupied(st)
+                short = asyncio.ensure_future(request(session, url, SHORT))
+
+                def held() -> bool:
+                    return st.metric("extproc_held_requests", {"model": "m"}) == 1
+
+                await asyncio.to_thread(wait_until, held, 5, "the short request held")
+                # Prometheus sees it held before the slot frees (~2 s).
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: prom.query('extproc_held_requests{model="m"} == 1'),
+                    5,
+                    "Prometheus scraped the held request",
+                )
+                assert [r.status for r in await asyncio.gather(long, short)] == [200, 200]
+
+                assert st.post({"model": "m", TTFT_TARGET: 300})[0] == 200
+                # Two rejections, Prometheus scraping between them: the deadline outcome's
+                # series is born with the first (at 1), which rate() cannot see.
+                for count in (1, 2):
+                    long = asyncio.ensure_future(request(session, url, LONG))
+                    await occupied(st)
+                    refused = await request(session, url, SHORT)
+                    assert refused.status == 529
+                    assert refused.headers["x-shed-reason"] == "deadline"
+                    await asyncio.to_thread(
+                        wait_until,
+                        lambda n=count: prom.query(
+                            f'extproc_decisions_total{{outcome="deadline"}} >= {n}'
+                        ),
+                        5,
+                        f"Prometheus scraped deadline rejection {count}",
+                    )
+                    assert (await long).status == 200
+                assert (await request(session, url, SHORT)).status == 200
+
+            def scraped() -> bool:
+                return bool(
+                    prom.query('extproc_decisions_total{outcome="deadline"} >= 2')
+                    and prom.query("extproc_held_wait_seconds_count >= 1")
+                    and prom.query('extproc_ttft_target_met_total{model="m", met="true"} >= 3')
+                )
+
+            wait_until(scraped, 15, "Prometheus has scraped the deadline decisions")
+            # Every panel's query returns series with their by-labels, and numbers: the
+            # window (5 m) covers the whole run.
+            problems = []
+            for title, raw in queries:
+                expr = _substitute(raw, "5m")
+                result = prom.query(expr)
+                if not result:
+                    problems.append(f"{title}: no series for {expr}")
+                outer = OUTER_BY.match(expr)
+                wanted = {x.strip() for x in outer.group(1).split(",")} if outer else set()
+                for series in result:
+                    if wanted - set(series["metric"]):
+                        problems.append(f"{title}: series without {wanted}: {series}")
+                    if series["value"][1] in ("NaN", "+Inf", "-Inf"):
+                        problems.append(f"{title}: {series['value'][1]} for {expr}")
+            assert not problems, "\n".join(problems)
+            by_title = {
+                title: prom.query(_substitute(raw, "5m"))
+                for title, raw in queries
+                if "p99" not in raw or "held wait" in title.lower()
+            }
+            met = next(v for t, v in by_title.items() if "share" in t.lower())
+            assert met[0]["metric"]["model"] == "m" and 0 < float(met[0]["value"][1]) <= 1
+            rejected = next(v for t, v in by_title.items() if "deadline rejections" in t.lower())
+            assert float(rejected[0]["value"][1]) > 0
+
+            # The alerts on deadline admission's series evaluate and their selectors match.
+            for rule in _alert_rules():
+                names = {m.group(1) for m in SELECTOR.finditer(rule["expr"])}
+                if not names & DEADLINE_SERIES:
+                    continue
+                prom.query(rule["expr"])
+                for match in SELECTOR.finditer(rule["expr"]):
+                    assert prom.query(f"count({match.group(0)})"), (rule["alert"], match[0])
+            assert not _firing(prom, "ExtprocBackgroundTaskFailing")
+        finally:
+            prom.stop()
