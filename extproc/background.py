@@ -24,7 +24,8 @@ REPLICA_PUBLISHER = "replica_publisher"  # sends this replica's estimate to the 
 CURVE_REFUSALS = "curve_refusals"  # counts the event publishers CURVE refused
 STATUS_HISTORY = "status_history"  # samples the status page's decision history
 H2_KEEPALIVE = "h2_keepalive"  # pings idle ext_proc connections, closes dead ones
-TASKS = (SWEEPER, REPLICA_PUBLISHER, CURVE_REFUSALS, STATUS_HISTORY, H2_KEEPALIVE)
+HELD_TIMER = "held_timer"  # answers the requests held for a slot at their deadline
+TASKS = (SWEEPER, REPLICA_PUBLISHER, CURVE_REFUSALS, STATUS_HISTORY, H2_KEEPALIVE, HELD_TIMER)
 
 
 class Guard:

@@ -22,6 +22,7 @@ from extproc.admin.status import DecisionHistory
 from extproc.background import (
     CURVE_REFUSALS,
     H2_KEEPALIVE,
+    HELD_TIMER,
     REPLICA_PUBLISHER,
     STATUS_HISTORY,
     SWEEPER,
@@ -33,12 +34,14 @@ from extproc.events.keys import main as keys_main
 from extproc.events.publisher import EventPublisher
 from extproc.events.replica import ReplicaPublisher
 from extproc.events.schema import ConfigEvent
+from extproc.handlers.held import HeldRequests
 from extproc.service import BACKGROUND_TASKS
 from extproc.settings import load_settings
 from extproc.transport.h2.connection import H2Connection
 from extproc.transport.h2server import GrpcServer
 
 FAILURES = 3  # the first calls of each step that raise
+HELD_MODEL = "held"  # the model whose held requests' deadline timer the test keeps armed
 
 
 def _free_port() -> int:
@@ -113,6 +116,7 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         CURVE_REFUSALS: (CurveServer, "_count_refusal"),
         STATUS_HISTORY: (DecisionHistory, "sample"),
         H2_KEEPALIVE: (H2Connection, "_keepalive_tick"),
+        HELD_TIMER: (HeldRequests, "_due"),
     }
     assert set(steps) == set(BACKGROUND_TASKS)
     for task, (owner, name) in steps.items():
@@ -126,6 +130,27 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         self.keepalive_check = 0.05
 
     monkeypatch.setattr(GrpcServer, "__init__", fast_keepalive)
+    held: list[HeldRequests] = []  # the service's held requests, once its handler is built
+    held_init = HeldRequests.__init__
+
+    def keep_held(self: HeldRequests, *args: Any, **kwargs: Any) -> None:
+        held_init(self, *args, **kwargs)
+        held.append(self)
+
+    monkeypatch.setattr(HeldRequests, "__init__", keep_held)
+
+    async def hold_one_after_another() -> None:
+        """A request of HELD_MODEL held until 0.02 s on, whenever none is: the deadline timer
+        fires for each. Its client is gone (no waiter), so at the deadline it is just dropped."""
+        n = 0
+        while True:
+            if held and not held[0].admission.held.get(HELD_MODEL):
+                now = held[0].pool.clock()
+                n += 1
+                held[0].admission.queue(HELD_MODEL).push(("gone", n), now + 0.02, now)
+                held[0]._arm(HELD_MODEL)
+            await asyncio.sleep(0.01)
+
     secret, publishers = _keys(tmp_path)
     admin_port, grpc_port = _free_port(), _free_port()
     events = f"tcp://127.0.0.1:{_free_port()}"
@@ -147,6 +172,7 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
     stop = asyncio.Event()
     caplog.set_level(logging.ERROR, logger="extproc")
     served = asyncio.create_task(service.serve(settings, stop))
+    holding = asyncio.create_task(hold_one_after_another())
     # Publishers without CURVE: each refused at least once, each refusal a monitor event.
     intruders = [
         EventPublisher(
@@ -183,6 +209,7 @@ async def test_each_background_task_counts_logs_once_and_keeps_running(
         # The refusals after the failures were counted: the watch really went on.
         assert await asyncio.to_thread(_refused, admin) >= 3
     finally:
+        holding.cancel()
         for intruder in intruders:
             await intruder.close()
         if envoy is not None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.background import HELD_TIMER, Guard
 from extproc.core.deadline import Hold, Reject
 from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
@@ -46,6 +47,9 @@ HOLD_MAX_SECONDS = 28.0
 # A timer fires this long after a deadline, so that the deadline has passed (expire takes
 # the requests with deadline < now).
 TIMER_SLACK = 0.001
+# A deadline timer whose step raised (counted as a failure of the ``held_timer`` background
+# task) fires again this much later, so that the held requests are still answered.
+TIMER_RETRY = 0.05
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +95,7 @@ class HeldRequests:
         self.waiters: dict[Hashable, Waiter] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._pumping: set[str] = set()
+        self._guard = Guard(HELD_TIMER, metrics.background_errors)
 
     def hold(
         self,
@@ -218,8 +223,20 @@ class HeldRequests:
         waits = [p.wait for p in preds if p.wait is not None]
         return Reject(min(waits) if waits else None)
 
-    def _arm(self, model: str) -> None:
-        """A timer for the earliest held deadline of ``model`` (none when none is held)."""
+    def _fire(self, model: str) -> None:
+        """The deadline timer of ``model``: its step runs guarded (a failure is counted and
+        the first logged); after a failure the timer fires again :data:`TIMER_RETRY` later."""
+        self._timers.pop(model, None)  # this timer has fired
+        if not self._guard.call(self._due, model) and model not in self._timers:
+            self._arm(model, TIMER_RETRY)
+
+    def _due(self, model: str) -> None:
+        """The earliest held deadline of ``model`` passed: decide its held requests."""
+        self.pump(model)
+
+    def _arm(self, model: str, at_least: float = 0.0) -> None:
+        """A timer for the earliest held deadline of ``model``, at least ``at_least`` s from
+        now (none when none is held)."""
         old = self._timers.pop(model, None)
         if old is not None:
             old.cancel()
@@ -230,8 +247,8 @@ class HeldRequests:
         first = next(iter(q))
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to time
             loop = asyncio.get_running_loop()
-            delay = max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK
-            self._timers[model] = loop.call_later(delay, self.pump, model)
+            delay = max(at_least, max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK)
+            self._timers[model] = loop.call_later(delay, self._fire, model)
 
     def close(self) -> None:
         for handle in self._timers.values():

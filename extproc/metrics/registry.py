@@ -88,8 +88,8 @@ class Metrics:
         self.background_errors = Counter(
             "extproc_background_errors",
             "Failures of a background task (sweeper, replica_publisher, curve_refusals, "
-            "status_history, h2_keepalive): the first one of each task is logged with its "
-            "traceback, and the task keeps running.",
+            "status_history, h2_keepalive, held_timer): the first one of each task is logged "
+            "with its traceback, and the task keeps running.",
             ["task"],
             registry=r,
         )
