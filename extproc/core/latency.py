@@ -206,7 +206,7 @@ class DeadlineAdmission:
             held_ahead = queue.ahead_of(arrived + target_s - idle)
         return predict_all(ests, prompt_tokens, held_ahead, now)
 
-    def decide(
+    def admit(
         self,
         model: str,
         candidates: Sequence[Worker],

@@ -569,7 +569,7 @@ class ExtProcHandler:
         candidates = [w for w in workers if is_free(w, variant, now)]
         if not candidates:  # every worker busy by the thresholds: today's answer
             return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
-        decision, preds = self.admission.decide(
+        decision, preds = self.admission.admit(
             model, candidates, st.prompt_tokens, target_s, st.arrived, now
         )
         best = min((p.ttft for p in preds if p.ttft is not None), default=None)

@@ -76,12 +76,12 @@ def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
         admission.first_byte(i, worker, t + 0.1)
         admission.ended(i, worker, t + 1.0, 10)
         t += 1.0
-    decision, _ = admission.decide("m", [worker], 100, 1.0, t, t)
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t, t)
     assert isinstance(decision, Dispatch)
     admission.dispatched("busy", worker, 100, t, t)
-    decision, _ = admission.decide("m", [worker], 100, 5.0, t, t)  # ~1 s wait fits 5 s
+    decision, _ = admission.admit("m", [worker], 100, 5.0, t, t)  # ~1 s wait fits 5 s
     assert isinstance(decision, Hold) and decision.deadline <= t + 5.0
-    decision, _ = admission.decide("m", [worker], 100, 0.5, t, t)  # it does not fit 0.5 s
+    decision, _ = admission.admit("m", [worker], 100, 0.5, t, t)  # it does not fit 0.5 s
     assert isinstance(decision, Reject) and decision.wait is not None and decision.wait > 0.5
 
 
@@ -119,7 +119,7 @@ def test_an_unreachable_target_still_measures_a_free_worker_four_times_a_second(
         admission.first_byte(i, worker, t + 0.1)
         admission.ended(i, worker, t + 0.2, 10)
         t += 1.0
-    decision, preds = admission.decide("m", [worker], 100, 0.05, t, t)
+    decision, preds = admission.admit("m", [worker], 100, 0.05, t, t)
     assert isinstance(decision, Reject) and decision.unreachable
     assert admission.probe(decision, preds, t) == "w"
     assert admission.probe(decision, preds, t + 0.2) is None  # at most every 0.25 s
@@ -132,7 +132,7 @@ def test_an_unreachable_target_still_measures_a_free_worker_four_times_a_second(
         admission.ended(("p", probes), worker, t + 0.1, 10)
         probes += 1
         t += 0.25
-        decision, preds = admission.decide("m", [worker], 100, 0.05, t, t)
+        decision, preds = admission.admit("m", [worker], 100, 0.05, t, t)
         # Within the prefill fit's memory (about the last 100 requests).
         assert probes < 100, "the measurement does not follow the worker"
     assert isinstance(decision, Dispatch)
