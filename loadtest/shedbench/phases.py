@@ -62,15 +62,19 @@ class PhasePlan:
 
 @dataclass
 class Sample:
-    """One read of ``/debug/workers`` for one worker: its latency limit, the TTFT p99 the
-    controller reads and the one the engine reports (None when no target is set or the
-    extproc does not have it)."""
+    """One read of ``/debug/workers`` for one worker: what deadline admission predicted for
+    it (its ``deadline`` block: the predicted TTFT, the slots it counts, the requests it
+    has; None where the extproc does not show them), and the older latency controller's
+    fields where an extproc still has them."""
 
     at: float
     worker: str
     limit: float | None
     ttft_p99_ms: float | None
     engine_ttft_p99_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+    slots: float | None = None
+    occupancy: float | None = None
 
 
 @dataclass
@@ -188,7 +192,7 @@ async def _slow_one(
 async def _sample_debug(
     session: aiohttp.ClientSession, stack: Stack, t0: float, run: PhasedRun, stop: asyncio.Event
 ) -> None:
-    """``/debug/workers`` every :data:`SAMPLE_EVERY` s: each worker's latency limit and p99."""
+    """``/debug/workers`` every :data:`SAMPLE_EVERY` s: each worker's prediction."""
     url = stack.ext.admin + "/debug/workers"
     timeout = aiohttp.ClientTimeout(total=2)
     while not stop.is_set():
@@ -200,6 +204,7 @@ async def _sample_debug(
         at = time.monotonic() - t0
         for w in view.get("workers", []):
             control = w.get("latency_control") or {}
+            deadline = w.get("deadline") or {}
             run.samples.append(
                 Sample(
                     at,
@@ -207,6 +212,9 @@ async def _sample_debug(
                     control.get("limit"),
                     control.get("ttft_p99_ms"),
                     control.get("engine_ttft_p99_ms"),
+                    deadline.get("predicted_ttft_ms"),
+                    deadline.get("slots"),
+                    deadline.get("occupancy"),
                 )
             )
         await _wait(stop, SAMPLE_EVERY)

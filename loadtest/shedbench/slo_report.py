@@ -130,6 +130,21 @@ def _reasons(m: ModeResult) -> str:
     )
 
 
+def _workers(m: ModeResult) -> str:
+    if not m.workers:
+        return "—"
+
+    def num(value: float | None, unit: str = "") -> str:
+        return "—" if value is None else f"{value:,.0f}{unit}"
+
+    return "; ".join(
+        f"{wid}: {num(w.get('admitted'))} admitted, predicted TTFT "
+        f"{num(w.get('predicted_ttft_ms'), ' ms')}, slots {num(w.get('slots'))}, occupancy "
+        f"{num(w.get('occupancy'))}"
+        for wid, w in m.workers.items()
+    )
+
+
 def goals(res: SloResults) -> list[Verdict]:
     """The target alone's goals, each met, missed or not tested, with what was measured."""
     alone, best = res.mode(TARGET_ALONE), res.mode(res.best_fixed)
@@ -391,6 +406,7 @@ def markdown(res: SloResults) -> str:
     verdicts = "\n".join(f"- {v.name}: {v.detail}: {MARK[v.met]}" for v in goals(res))
     recovery = "\n".join(f"- {m.mode.name}: {_recovered(m)}" for m in res.modes)
     reasons = "\n".join(f"- {m.mode.name}: {_reasons(m)}" for m in res.modes)
+    workers = "\n".join(f"- {m.mode.name}: {_workers(m)}" for m in res.modes)
     held = (
         "held: the mean of `extproc_held_requests` read every 0.5 s in the window"
         if any(m.held_reported for m in res.modes)
@@ -445,6 +461,12 @@ Goals of the target alone:
 Why requests were refused, per mode:
 
 {reasons}
+
+Per worker and mode: attempts it answered 200, and the means over the run of what \
+`/debug/workers` showed for it every 0.5 s under deadline admission (its predicted TTFT, the \
+slots it counts, its occupancy; "—" where not shown):
+
+{workers}
 
 {_classes_text(res)}
 

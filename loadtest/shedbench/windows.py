@@ -136,6 +136,9 @@ class ModeResult:
     seconds: list[Second] = field(default_factory=list)
     held_reported: bool = False  # the extproc reported extproc_held_requests
     reasons: dict[str, int] = field(default_factory=dict)  # refused attempts by x-shed-reason
+    # Per worker: attempts it answered 200, and the means of what /debug/workers showed for
+    # it (predicted TTFT ms, slots counted, occupancy) over the run; empty when not shown.
+    workers: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 def _attempts(run: PhasedRun) -> list[Outcome]:
@@ -260,7 +263,25 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
         seconds=seconds,
         held_reported=bool(held_reads),
         reasons=dict(Counter(a.shed_reason or "none" for a in attempts if refused(a))),
+        workers=_per_worker(run, admitted),
     )
+
+
+def _per_worker(run: PhasedRun, admitted: list[Outcome]) -> dict[str, dict[str, float | None]]:
+    ids = sorted({s.worker for s in run.samples} | {a.worker for a in admitted if a.worker})
+    out: dict[str, dict[str, float | None]] = {}
+    for wid in ids:
+        mine = [s for s in run.samples if s.worker == wid]
+        predicted = [s.predicted_ttft_ms for s in mine if s.predicted_ttft_ms is not None]
+        slots = [s.slots for s in mine if s.slots is not None]
+        occupancy = [s.occupancy for s in mine if s.occupancy is not None]
+        out[wid] = {
+            "admitted": float(sum(1 for a in admitted if a.worker == wid)),
+            "predicted_ttft_ms": _mean(predicted),
+            "slots": _mean(slots),
+            "occupancy": _mean(occupancy),
+        }
+    return out
 
 
 def recovery(

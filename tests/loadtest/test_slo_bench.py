@@ -203,6 +203,11 @@ def test_every_mode_runs_every_phase_from_the_same_arrivals(
         per_second = sum(s["admitted"] + s["rejected"] for s in m["seconds"])
         attempts = sum(p["attempts"] for p in m["phases"])
         assert per_second <= attempts
+        # Who served what, and what /debug/workers showed for each worker.
+        assert {"sim-1", "sim-2"} <= set(m["workers"])
+        served = sum(w["admitted"] for w in m["workers"].values())
+        # The series covers the phases; a few retries are answered in the grace after them.
+        assert sum(s["admitted"] for s in m["seconds"]) <= served <= attempts
     off, shipped = modes["off"]["phases"], modes["shipped"]["phases"]
     assert all(p["rejected_attempts"] == 0 and p["admitted_first"] == p["requests"] for p in off)
     # 10x against thresholds: refused, and retried like the OpenAI SDK (at most 3 attempts).
