@@ -118,9 +118,10 @@ def _own_ports_only() -> None:
     _HANDED_OUT.update(p for p in _fixed_ports() if p % count != index)
 
 
-# Modules that time the real engine against itself (a slowdown's ratio): another test's
-# load beside them skews it. ``make test`` runs them alone, with the ``serial`` marker.
-SERIAL_MODULES = {"loadtest/test_slo_llamacpp.py"}
+# Modules that time the real engine against itself (a slowdown's ratio), or hold a class's
+# admitted share to a bar at a capacity given in requests per second: another test's load
+# beside them skews it. ``make test`` runs them alone, with the ``serial`` marker.
+SERIAL_MODULES = {"loadtest/test_slo_llamacpp.py", "loadtest/test_mixed_bench.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
