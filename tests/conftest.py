@@ -13,7 +13,7 @@ from extproc.devstack import Envoy, Extproc, Proc, Publisher, start_echo_worker
 from extproc.devstack.procs import _HANDED_OUT, _fixed_ports
 
 # Every extproc a test starts serves at once instead of after the 1-s startup grace (its
-# wait for the workers' publishers to reconnect after a restart): hundreds of starts a run.
+# wait for the workers' publishers to reconnect after a restart), a second saved per start.
 # A test about a restart passes ``--startup-grace`` itself; exporting the variable wins.
 os.environ.setdefault("EXTPROC_STARTUP_GRACE", "0")
 
