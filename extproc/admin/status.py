@@ -6,8 +6,11 @@ read time from the pool (per model thresholds and overload state, per worker and
 effective load against each limit, reported vs router estimate) and from the Metrics
 registry (router queue, event drops, streamed responses whose generated tokens went
 uncounted), plus :class:`DecisionHistory`: per-second decision
-counts by outcome for the last few minutes, sampled from the counters once a second on a
-timer, so the request path pays nothing for it and the chart has history on first load.
+counts by outcome (and overload replies per model) for the last few minutes, sampled from
+the counters once a second on a timer, so the request path pays nothing for it and the
+chart has history on first load. With deadline admission, each model with a TTFT target
+has its target, held requests and the share of admitted requests that met it, and each
+worker its prediction (the ``deadline`` object of ``/debug/workers``).
 """
 
 from __future__ import annotations
@@ -45,12 +48,20 @@ def counter_totals(counter: Counter) -> dict[str, float]:
     return out
 
 
-def _rejection_totals(counter: Counter) -> float:
-    return sum(s.value for f in counter.collect() for s in f.samples if s.name.endswith("_total"))
+def _rejection_totals(counter: Counter) -> dict[str, float]:
+    """Overload replies since the start per model (summed over endpoints)."""
+    out: dict[str, float] = {}
+    for family in counter.collect():
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                model = s.labels.get("model", "")
+                out[model] = out.get(model, 0.0) + s.value
+    return out
 
 
 class DecisionHistory:
-    """Ring buffer of per-second decision counts by outcome (and rejections), newest last."""
+    """Ring buffer of per-second decision counts by outcome and overload replies (all, and
+    per model), newest last."""
 
     def __init__(
         self,
@@ -62,20 +73,24 @@ class DecisionHistory:
         self.clock = clock
         self.points: deque[dict[str, Any]] = deque(maxlen=seconds)
         self._last: dict[str, float] | None = None
-        self._last_rejected = 0.0
+        self._last_rejected: dict[str, float] = {}
 
     def sample(self) -> None:
         """Append the counts since the previous call (the first call only sets the base)."""
         totals = counter_totals(self.metrics.decisions)
         rejected = _rejection_totals(self.metrics.rejections)
         if self._last is not None:
-            last = self._last
+            last, last_rejected = self._last, self._last_rejected
             counts = {o: max(0.0, totals.get(o, 0.0) - last.get(o, 0.0)) for o in totals}
+            by_model = {
+                m: int(max(0.0, n - last_rejected.get(m, 0.0))) for m, n in rejected.items()
+            }
             self.points.append(
                 {
                     "t": round(self.clock(), 3),
                     "decisions": {o: int(n) for o, n in counts.items() if n},
-                    "rejected": int(max(0.0, rejected - self._last_rejected)),
+                    "rejected": sum(by_model.values()),
+                    "rejected_by_model": {m: n for m, n in by_model.items() if n},
                 }
             )
         self._last = totals
@@ -111,8 +126,9 @@ def _display_state(worker: dict[str, Any], stale_after: float) -> tuple[str, str
 
 
 def _latency(pool: WorkerPool, latency: DeadlineAdmission | None) -> dict[str, dict[str, Any]]:
-    """Per model with a TTFT target: the target, its held requests, the share of admitted
-    requests that met it, and the workers on which it is unreachable."""
+    """Per model with a TTFT target: the target, its held requests, how many admitted
+    requests met it and missed it and the share met, and the workers on which it is
+    unreachable."""
     if latency is None:
         return {}
     out: dict[str, dict[str, Any]] = {}
@@ -125,6 +141,8 @@ def _latency(pool: WorkerPool, latency: DeadlineAdmission | None) -> dict[str, d
             "ttft_p99_target_ms": th.ttft_p99_target_ms,
             "itl_p99_target_ms": th.itl_p99_target_ms,
             "held_requests": m.held,
+            "admitted_met_target": m.met.met,
+            "admitted_missed_target": m.met.missed,
             "target_met_share": None if share is None else round(share, 4),
             "target_unreachable": unreachable,
         }

@@ -1,13 +1,16 @@
 """The status page (``/status``, ``/status.json``): its JSON in-process, and the rendered page
-in Debian's headless chromium against the real stack (Envoy -> extproc -> echo workers).
+in Debian's headless chromium against the real stack (Envoy -> extproc -> echo workers), and
+with a TTFT target against a simulated engine with one slot (deadline admission).
 
-``UPDATE_SCREENSHOT=1`` rewrites docs/status-page.png from the browser test.
+``UPDATE_SCREENSHOT=1`` rewrites docs/status-page.png and docs/status-page-deadline.png from
+the browser tests.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.admin.app import Readiness, build_app
 from extproc.admin.auth import AdminAuth
 from extproc.admin.status import DecisionHistory
-from extproc.core.busy import BusyThresholds
+from extproc.core.busy import TTFT_TARGET, BusyThresholds
 from extproc.core.pool import WorkerPool
-from extproc.devstack import get_json, http, wait_until
+from extproc.devstack import Publisher, free_port, get_json, http, wait_until
 from extproc.metrics.registry import Metrics
 from tests.conftest import Stack
+from tests.integration.test_latency_target import LONG, SHORT, sim_stack
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,12 +55,20 @@ def test_history_counts_per_second_deltas_by_outcome() -> None:
     assert list(history.points) == []
     metrics.outcome["routed"].inc(5)
     metrics.outcome["overloaded"].inc(2)
+    metrics.outcome["deadline"].inc(1)
     metrics.rejections.labels("m", "chat_completions").inc(2)
+    metrics.rejections.labels("m", "completions").inc(1)
+    metrics.rejections.labels("n", "completions").inc(1)
     history.sample()
     history.sample()
     assert list(history.points) == [
-        {"t": 100.0, "decisions": {"routed": 5, "overloaded": 2}, "rejected": 2},
-        {"t": 100.0, "decisions": {}, "rejected": 0},
+        {
+            "t": 100.0,
+            "decisions": {"routed": 5, "overloaded": 2, "deadline": 1},
+            "rejected": 4,
+            "rejected_by_model": {"m": 3, "n": 1},
+        },
+        {"t": 100.0, "decisions": {}, "rejected": 0, "rejected_by_model": {}},
     ]
     for _ in range(5):
         history.sample()
@@ -204,6 +216,7 @@ def test_rendered_page_shows_busy_worker_with_reason_and_moving_rejection_chart(
     assert row.locator(".state").inner_text() == "busy"
     assert "active_decode_blocks_threshold" in row.locator(".why").inner_text()
     assert "90 / 50" in row.inner_text()  # effective decode blocks against the limit
+    assert "no TTFT target on its model" in row.locator("td.dl").inner_text()
     free_row = page.locator('tr.worker[data-worker-id="gpu-b"]')
     assert free_row.get_attribute("data-state") == "free"
 
@@ -271,6 +284,133 @@ def test_status_json_shows_a_target_its_held_requests_and_where_it_is_unreachabl
     assert latency["ttft_p99_target_ms"] == 50.0
     assert latency["target_unreachable"] == ["w"]  # "v" has no measurement: no verdict
     assert (latency["held_requests"], latency["target_met_share"]) == (0, 1.0)
+    assert (latency["admitted_met_target"], latency["admitted_missed_target"]) == (1, 0)
     by_id = {w["worker_id"]: w for w in view["workers"]}
     assert by_id["w"]["deadline"]["target"].startswith("target unreachable: an idle worker")
     assert "target" not in by_id["v"]["deadline"]
+
+
+def _page(browser: Any, url: str) -> tuple[Any, list[str], list[str]]:
+    """A page on ``url`` with its script errors and the URLs it requested."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors: list[str] = []
+    requested: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("request", lambda req: requested.append(req.url))
+    page.goto(url)
+    return page, errors, requested
+
+
+# A generation that holds the engine's only slot for about 5 s: the page refreshes every
+# second, so it sees the request held behind it.
+LONGER = {**LONG, "max_tokens": 250}
+
+
+def _wait_text(page: Any, selector: str, text: str, timeout_ms: int = 10_000) -> None:
+    page.wait_for_function(
+        "([sel, text]) => (document.querySelector(sel)?.innerText || '').includes(text)",
+        arg=[selector, text],
+        timeout=timeout_ms,
+    )
+
+
+def _complete(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str]]:
+    """One streamed completion through Envoy, read to its end: (status, headers)."""
+    status, headers, _ = http("POST", url + "/v1/completions", body, timeout=30)
+    return status, headers
+
+
+def _in_flight(stack: Any) -> bool:
+    return int(stack.ext.workers()["sim"]["deadline"]["in_flight"]) >= 1
+
+
+@pytest.mark.slow
+def test_rendered_page_shows_the_target_held_requests_share_met_and_predictions(
+    browser: Any, tmp_path: Path
+) -> None:
+    """A simulated engine with one slot through the real Envoy: a request rejected at once
+    with a 300 ms target, then with a 10 s target one held behind a long generation; the
+    page shows the model's target, the held request (model and worker), the share met with
+    its counts, the deadline rejection, the worker's predicted wait and TTFT, prefill cost,
+    completion rate; then a 1 ms target shows "target unreachable" with the idle TTFT."""
+    with sim_stack(tmp_path) as st, ThreadPoolExecutor(2) as pool:
+        url = st.envoy.url
+        page, errors, requested = _page(browser, st.ext.admin + "/status")
+        model_row = 'tr[data-model="m"]'
+        worker_row = 'tr.worker[data-worker-id="sim"]'
+        for _ in range(2):  # the router measures the worker's service time and prefill
+            assert _complete(url, LONG)[0] == 200
+
+        def measured() -> bool:
+            view = st.ext.workers()["sim"]["deadline"]
+            return view["completion_rate_per_s"] is not None and view["in_flight"] == 0
+
+        wait_until(measured, 10, "the completions measured")
+        # Without a target the page shows the predictions alone.
+        _wait_text(page, worker_row, "no TTFT target on its model")
+
+        assert st.post({"model": "m", TTFT_TARGET: 300})[0] == 200
+        long = pool.submit(_complete, url, LONG)
+        wait_until(lambda: _in_flight(st), 10, "the long request in flight")
+        refused = _complete(url, SHORT)
+        assert (refused[0], refused[1]["x-shed-reason"]) == (529, "deadline")
+        assert long.result()[0] == 200
+        assert _complete(url, SHORT)[0] == 200  # the slot free: it fits, and meets it
+
+        assert st.post({"model": "m", TTFT_TARGET: 10_000})[0] == 200
+        long = pool.submit(_complete, url, LONGER)
+        wait_until(lambda: _in_flight(st), 10, "the long request in flight")
+        short = pool.submit(_complete, url, SHORT)
+        _wait_text(page, model_row, "1 held")
+        _wait_text(page, worker_row, "1 held · 1 in flight")
+        cell = page.locator(f"{model_row} td.latency").inner_text()
+        assert "TTFT target 10000 ms" in cell, cell
+        assert "met 100.0 %" in cell, cell  # the admitted ones so far met their target
+        assert int(page.locator("#t-deadline").inner_text()) == 1
+        assert int(page.locator(f"{model_row} td.rejected").inner_text()) == 1
+        assert page.locator("#chart rect.o-deadline").count() >= 1
+        dl = page.locator(f"{worker_row} td.dl").inner_text()
+        for part in ("predicted wait ", "prefill ", " ms / 1k tokens", "completions "):
+            assert part in dl, (part, dl)
+        assert "not measured" not in dl  # the completion rate is measured
+        assert "from the engine's slots" in dl and "target unreachable" not in dl
+        shot = tmp_path / "status-page-deadline.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert (long.result()[0], short.result()[0]) == (200, 200)
+
+        # Every admitted streamed request with a target met it: 4 of 4 (the warm-up had
+        # no target; the rejected one was not admitted).
+        _wait_text(page, model_row, "(4 of 4)")
+        _wait_text(page, model_row, "0 held")
+
+        # A target below what an idle worker measures: unreachable, with its idle TTFT.
+        assert st.post({"model": "m", TTFT_TARGET: 1})[0] == 200
+        _wait_text(page, worker_row, "target unreachable (idle worker: ")
+        assert st.ext.workers()["sim"]["deadline"]["idle_ttft_ms"] > 1
+        assert page.locator(f"{model_row} .badge.s-busy").inner_text() == "target unreachable"
+        assert "target unreachable (1 ms) on sim" in page.locator("#warnings").inner_text()
+
+        # A worker that reports no slots and no waiting count: the page names what it goes
+        # without and that it is predicted from the gateway's timings alone.
+        pub = Publisher(st.ext.event_endpoint)
+        try:
+            pub.announce(st.ext, "gw", "m", f"127.0.0.1:{free_port()}")  # sent nothing
+            pub.load("gw", active_decode_blocks=0)
+            gw_row = 'tr.worker[data-worker-id="gw"]'
+            _wait_text(page, gw_row, "predicted from the gateway's timings alone")
+            gw = page.locator(f"{gw_row} td.dl .missing").inner_text()
+            for name in ("num_requests_waiting", "request_active_slots", "request_total_slots"):
+                assert name in gw, gw
+            assert "completions not measured" in page.locator(f"{gw_row} td.dl").inner_text()
+        finally:
+            pub.close()
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("UPDATE_SCREENSHOT") == "1":
+            shutil.copy(shot, ROOT / "docs" / "status-page-deadline.png")
+        assert not errors, errors
+        assert {u.split("?")[0] for u in requested} <= {
+            st.ext.admin + "/status",
+            st.ext.admin + "/status.json",
+        }, requested
+        page.close()
