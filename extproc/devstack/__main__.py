@@ -52,6 +52,12 @@ THRESHOLD_FLAGS = (
     "--active-prefill-tokens-threshold",
     "--active-prefill-tokens-threshold-frac",
 )
+LLAMA_TTFT_TARGET_MS = "2000"
+"""The llama.cpp demo's TTFT target: an idle worker gives a short chat its first token in
+0.03-0.7 s here (2 shared cores), so 2 s is a promise it keeps while a slot is free or
+frees in time; a request that cannot have one within it is answered 529 at once."""
+TARGET_FLAG = "--ttft-p99-target-ms"
+TARGET_ENV = "EXTPROC_TTFT_P99_TARGET_MS"
 FILL_S = "10-25"
 """How long 2 slots took to fill half a worker's context here (1 thread, 2 shared cores)."""
 POLL_S = 0.2
@@ -111,18 +117,19 @@ Model "{model}": SmolLM2-135M-Instruct on llama-server, per worker {parallel} sl
 {ctx} tokens of context ({blocks} blocks of 16 tokens), {threads} thread.
 Busy rule: {thresholds}.
 {threshold_note}
+TTFT target: {target}
 
   # a chat completion with generated text, routed to a free worker
   curl -s localhost:{p.envoy}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model":"{model}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":40}}'
 
   # every slot busy: 6 long generations (2 fill each worker's slots, the others wait for
-  # a slot), then ask again: 529 once both workers hold more than half their context
-  # (after {fill_s} s here)
+  # a slot), then ask again: {busy_story}
   for i in 1 2 3 4 5 6; do curl -s -o /dev/null localhost:{p.envoy}/v1/completions \\
        -H 'content-type: application/json' \\
        -d '{{"model":"{model}","prompt":"Once upon a time","max_tokens":500,"ignore_eos":true}}' \\
        & done
+  .venv/bin/python -m extproc.devstack.ttft --url http://localhost:{p.envoy}  # 1 chat/s, 15 s
   curl -s localhost:{p.admin}/debug/workers | python3 -m json.tool | grep -E '"(state|why)"'
 
   # a worker dies (its llama-server, or its agent), then starts again
@@ -232,8 +239,46 @@ def _llama_thresholds(extproc_args: list[str]) -> list[str]:
     return ["--active-decode-blocks-threshold", LLAMA_DECODE_THRESHOLD, *extproc_args]
 
 
+def _llama_target(extproc_args: list[str], off: bool) -> list[str]:
+    """The llama.cpp demo's TTFT target first, unless one is given as a flag or in the
+    environment, or ``off`` (``--no-ttft-target``)."""
+    given = any(a.split("=", 1)[0] == TARGET_FLAG for a in extproc_args)
+    if off or given or os.environ.get(TARGET_ENV):
+        return extproc_args
+    return [TARGET_FLAG, LLAMA_TTFT_TARGET_MS, *extproc_args]
+
+
+def _target_banner(extproc_args: list[str], model: str, admin: int) -> dict[str, str]:
+    """The banner's TTFT target lines, and what the six long generations show with it."""
+    given = [a for a in extproc_args if a.split("=", 1)[0] == TARGET_FLAG]
+    remove = (
+        f"  curl -s localhost:{admin}/busy_threshold -H 'content-type: application/json' \\\n"
+        f'       -d \'{{"model":"{model}","disable":["ttft_p99_target_ms"]}}\''
+    )
+    story = (
+        "each short request gets its first token\n  # within the target, or a 529 at once "
+        "(x-shed-reason: deadline, retry-after-ms)"
+    )
+    if extproc_args[:2] == [TARGET_FLAG, LLAMA_TTFT_TARGET_MS]:
+        target = (
+            f"{LLAMA_TTFT_TARGET_MS} ms for every model: each request is sent to a free slot, "
+            "held in the\nrouter for one that frees in time, or answered 529 at once "
+            "(x-shed-reason: deadline).\n"
+            f"Change it with ARGS='{TARGET_FLAG} X', start without it with "
+            f"ARGS=--no-ttft-target, or\nremove it while the stack runs:\n{remove}"
+        )
+    elif given or os.environ.get(TARGET_ENV):
+        target = f"as given on the command line or in the environment; to remove it:\n{remove}"
+    else:
+        target = "none (--no-ttft-target): the busy rule alone decides"
+        story = f"529 once both workers hold more than half\n  # their context (after {FILL_S} s)"
+    return dict(target=target, busy_story=story)
+
+
 def _llama_banner(kind: LlamaCppWorkers, extproc_args: list[str]) -> dict[str, object]:
     blocks = kind.ctx // kind.block_size
+    if extproc_args[:1] == [TARGET_FLAG]:  # the demo's target first, then its KV check
+        extproc_args = extproc_args[2:]
     default = extproc_args[:2] == ["--active-decode-blocks-threshold", LLAMA_DECODE_THRESHOLD]
     if default:
         thresholds = (
@@ -251,7 +296,7 @@ def _llama_banner(kind: LlamaCppWorkers, extproc_args: list[str]) -> dict[str, o
         note = "(the default KV check of this demo is off: a threshold was given)"
     return dict(
         parallel=kind.parallel, ctx=kind.ctx, blocks=blocks, threads=kind.threads,
-        thresholds=thresholds, threshold_note=note, fill_s=FILL_S,
+        thresholds=thresholds, threshold_note=note,
     )  # fmt: skip
 
 
@@ -287,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the workers: simulated engines (sim), or llama.cpp's llama-server serving "
         f"SmolLM2-135M as model {LLAMA_MODEL!r} with the sidecar agent (llamacpp; "
         "`make engine` installs it), or vLLM serving it (vllm; `make vllm` installs it); "
-        f"on a real engine the KV threshold defaults to {LLAMA_DECODE_THRESHOLD}",
+        f"on a real engine the KV threshold defaults to {LLAMA_DECODE_THRESHOLD}, and on "
+        f"llama.cpp the TTFT target to {LLAMA_TTFT_TARGET_MS} ms",
     )
     parser.add_argument(
         "--model", default=None, help=f"model the workers serve (default: sim-model, {LLAMA_MODEL})"
@@ -299,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="listen on ports free at start instead of 8000, 9002, ... (a second stack); "
         "the banner names them",
+    )
+    parser.add_argument(
+        "--no-ttft-target",
+        action="store_true",
+        help=f"on llama.cpp, start without the demo's TTFT target ({LLAMA_TTFT_TARGET_MS} ms; "
+        f"{TARGET_FLAG} X sets another)",
     )
     args, extproc_args = parser.parse_known_args(argv)
     try:
@@ -328,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "llamacpp":
         model = args.model or LLAMA_MODEL
         kind = LlamaCppWorkers(model, publish)
-        extproc_args = _llama_thresholds(extproc_args)
+        extproc_args = _llama_target(_llama_thresholds(extproc_args), args.no_ttft_target)
     elif args.engine == "vllm":
         model = args.model or LLAMA_MODEL
         cpus = tuple(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -372,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
             first_id=first.worker_id, first_pid=first.procs[0].pid,
         )  # fmt: skip
         if isinstance(kind, LlamaCppWorkers):
-            _say(LLAMA_USAGE.format(**fields, **_llama_banner(kind, extproc_args)))
+            banner = _llama_banner(kind, extproc_args)
+            target = _target_banner(extproc_args, model, ports.admin)
+            _say(LLAMA_USAGE.format(**fields, **banner, **target))
         elif isinstance(kind, VllmWorkers):
             _say(VLLM_USAGE.format(**fields, **_vllm_banner(kind, extproc_args)))
         else:

@@ -5,8 +5,9 @@ llama.cpp engines (``python -m llmworker.llama_server``) serving SmolLM2 and the
 chat through Envoy gets generated text; with both slots of both engines generating long
 answers every worker is busy by its KV use and the answer is a 529, with ``/debug/workers``
 naming the check; a dead engine, then a dead agent, is reported and restarted like a
-simulated worker; Ctrl-C stops everything. Without the engine installed the module fails
-under CI and skips elsewhere, saying why.
+simulated worker; Ctrl-C stops everything. The banner names the demo's TTFT target (2 s),
+which the extproc holds. Without the engine installed the module fails under CI and skips
+elsewhere, saying why.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def test_demo_on_llamacpp_serves_sheds_when_every_slot_is_busy_and_stops(tmp_pat
         banner = demo.output()
         assert f'Model "{MODEL}"' in banner, banner
         assert "active_decode_blocks_threshold 0.5" in banner, banner
+        # The demo's TTFT target, named in the banner with how to change it, and in force.
+        assert "TTFT target: 2000 ms for every model" in banner, banner
+        assert "ARGS='--ttft-p99-target-ms X'" in banner and "--no-ttft-target" in banner
+        status, _, raw = http("GET", demo.admin + "/busy_threshold")
+        assert status == 200, raw
+        targets = {e["model"]: e.get("ttft_p99_target_ms") for e in json.loads(raw)["thresholds"]}
+        assert targets == {MODEL: 2000.0}, raw
         assert set(demo.worker_urls) == {"llama-1", "llama-2"}, demo.worker_urls
         started = _processes(demo)
         assert set(started) == {"extproc", "envoy", "llama-1", "llama-1-agent", "llama-2",
