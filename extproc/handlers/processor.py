@@ -624,6 +624,7 @@ class ExtProcHandler:
     def _deadline_reply(self, st: _Stream, decision: Reject) -> bytes:
         """The overload reply with ``x-shed-reason: deadline``, counted."""
         self.metrics.outcome["deadline"].inc()
+        self.metrics.deadline_rejections.labels(st.model).inc()
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
         self._count_class(st, st.model, "overloaded")
         return self.replies.deadline(

@@ -173,6 +173,13 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.deadline_rejections = Counter(
+            "extproc_deadline_rejections",
+            "Requests answered with the overload reply because no worker was predicted to "
+            "give them a first token within their TTFT target, per model.",
+            ["model"],
+            registry=r,
+        )
         self.ttft_target_met = Counter(
             "extproc_ttft_target_met",
             "Admitted streamed requests with a TTFT target, by whether their first body byte "
@@ -245,6 +252,14 @@ class HeldCollector(Collector):
             q = queues.get(model)
             held.add_metric([model], len(q) if q else 0)
         yield held
+        target = GaugeMetricFamily(
+            "extproc_ttft_target_seconds",
+            "The TTFT target of each model that has one (requests without a class).",
+            labels=["model"],
+        )
+        for entry in self.admission.models():
+            target.add_metric([entry.model], entry.target_s)
+        yield target
 
 
 class GrpcCollector(Collector):

@@ -59,6 +59,8 @@ DEADLINE_SERIES = {
     "extproc_ttft_target_met_total",
     "extproc_held_requests",
     "extproc_held_wait_seconds_bucket",
+    "extproc_ttft_target_seconds",
+    "extproc_deadline_rejections_total",
 }
 # Series that exist only while something happens; their names are still checked against
 # the extproc's /metrics (``# TYPE`` lines exist from startup).

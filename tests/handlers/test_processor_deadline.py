@@ -114,6 +114,8 @@ def test_a_request_that_would_wait_past_the_target_is_rejected_at_once() -> None
     assert hdrs["retry-after"] == "1"
     assert 500 <= int(hdrs["retry-after-ms"]) <= 2000
     assert counter(handler, "extproc_decisions_total", outcome="deadline") == 1
+    assert counter(handler, "extproc_deadline_rejections_total", model="m") == 1
+    assert counter(handler, "extproc_ttft_target_seconds", model="m") == 0.5
     labels = {"model": "m", "endpoint": "chat_completions"}
     assert counter(handler, "dynamo_frontend_model_rejection_total", **labels) == 1
 
