@@ -9,8 +9,9 @@ sidecar agent. Ctrl-C stops
 everything. A worker that exits is reported and the rest keeps running; ``kill -USR1 <pid
 of this process>`` (the line printed then) starts every exited worker again. If Envoy or
 the extproc exits, the stack stops. Extra arguments go to the extproc service, e.g.
-``--active-decode-blocks-threshold 0.5``. Runs from a checkout of the repository
-(it needs ``envoy/envoy.yaml``).
+``--active-decode-blocks-threshold 0.5``. On llama.cpp the extproc holds a TTFT target of
+2 s by default (``--ttft-p99-target-ms X`` sets another, ``--no-ttft-target`` none). Runs
+from a checkout of the repository (it needs ``envoy/envoy.yaml``).
 """
 
 from __future__ import annotations
