@@ -6,7 +6,8 @@
   then its first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
   ``decode_s_per_token`` and frees its slot. ``slowdown`` multiplies both per-token costs
   (a worker that becomes slower: :meth:`Sim.slow_down`).
-- Arrivals are Poisson (seeded), prompt and output lengths uniform.
+- Arrivals are Poisson (seeded), prompt and output lengths uniform; :meth:`Sim.add` adds
+  others at given times with given lengths.
 - The router sees each request ``gateway_s`` after it arrives (its own delay), and what an
   engine does ``net_s`` later (the network). An engine reports its waiting, running and slot
   counts after every change, unless ``reports`` is off (a worker that reports none).
@@ -60,6 +61,12 @@ class Request:
     outcome: str = "pending"  # dispatched, held, rejected, expired
     predicted: float | None = None
     worker: str | None = None
+    decided: float | None = None  # when the router dispatched, held or rejected it
+
+    @property
+    def decision_delay(self) -> float | None:
+        """From its arrival to the router's last decision on it."""
+        return None if self.decided is None else self.decided - self.arrived
 
     @property
     def ttft(self) -> float | None:
@@ -165,6 +172,13 @@ class Sim:
         """From ``at`` on, ``worker`` takes ``factor`` times as long per token."""
         self.at(at, lambda now: setattr(self.engines[worker], "slowdown", factor))
 
+    def add(self, t: float, prompt: int, output: int) -> Request:
+        """One request arriving at ``t`` with these lengths, besides the Poisson ones."""
+        req = Request(len(self.requests), t, prompt, output)
+        self.requests.append(req)
+        self.at(t + self.params.gateway_s, partial(self._arrive, req))
+        return req
+
     def run(self, rate: Callable[[float], float], until: float) -> list[Request]:
         """Poisson arrivals at ``rate(t)`` per second until ``until``; then drain."""
         t = 0.0
@@ -174,11 +188,7 @@ class Sim:
             t += self.rng.expovariate(rate(t))
             if t >= until:
                 break
-            req = Request(
-                len(self.requests), t, self.rng.randint(lo, hi), self.rng.randint(olo, ohi)
-            )
-            self.requests.append(req)
-            self.at(t + self.params.gateway_s, partial(self._arrive, req))
+            self.add(t, self.rng.randint(lo, hi), self.rng.randint(olo, ohi))
         while self.events:
             t, _, fn = heapq.heappop(self.events)
             fn(t)
