@@ -37,6 +37,7 @@ from extproc.core.deadline import (
     WorkerEstimate,
     decide,
     predict_all,
+    still_fits,
 )
 from extproc.core.held import HeldQueue
 from extproc.core.pool import WorkerPool
@@ -219,6 +220,26 @@ class DeadlineAdmission:
         the thresholds); with the predictions it was decided on."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
         return decide(preds, target_s, now, arrived), preds
+
+    def recheck(
+        self,
+        candidates: Sequence[Worker],
+        prompt_tokens: int,
+        target_s: float,
+        arrived: float,
+        now: float,
+        ahead: int,
+    ) -> Reject | None:
+        """A held request decided again behind the ``ahead`` held requests before it
+        (:func:`~extproc.core.deadline.still_fits`): None while its mean prediction still
+        fits what is left of its target on one of ``candidates``, else its reply now, with
+        the smallest predicted wait."""
+        ests = [self.estimate(w.worker_id) for w in candidates]
+        preds = predict_all(ests, prompt_tokens, ahead, now)
+        if still_fits(preds, target_s, now, arrived):
+            return None
+        waits = [p.wait for p in preds if p.wait is not None]
+        return Reject(min(waits) if waits else None)
 
     def probe(self, decision: Decision, preds: Sequence[Prediction], now: float) -> str | None:
         """The worker a rejected request goes to anyway, to measure it again: when it is

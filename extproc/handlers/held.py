@@ -4,7 +4,7 @@ A request whose target fits only after a wait for a slot (``core/latency.py``) w
 in its model's :class:`~extproc.core.held.HeldQueue`, earliest deadline first. The queue is
 pumped (:meth:`HeldRequests.pump`) whenever a slot may have freed: a stream's end (the
 pool's capacity listener), a load report, a threshold or target change, and a held
-request's deadline (a timer per model for the earliest one). A pump
+request's deadline or the periodic re-decision (a timer per model). A pump
 
 1. answers the requests past their deadline with the deadline reply;
 2. decides the requests whose target was removed by the plain rule (the thresholds);
@@ -13,7 +13,13 @@ request's deadline (a timer per model for the earliest one). A pump
    slot free (its :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that
    never showed a limit always has one), and the request fits there: it was held for that
    worker, or the worker's idle TTFT (prefill and gateway delay) still ends before its
-   deadline. So no slot sits idle while a request that fits waits.
+   deadline. So no slot sits idle while a request that fits waits;
+4. decides every request still held again with the prediction of now, behind the held
+   requests before it (:meth:`~extproc.core.latency.DeadlineAdmission.recheck`): one whose
+   mean predicted TTFT no longer fits what is left of its target on any worker gets the
+   deadline reply at once, not at its deadline. Besides stream ends and load reports, a
+   timer pumps the queue every :data:`RECHECK_SECONDS` while any request is held (the
+   prediction changes as the running requests age).
 
 While a request is held Envoy's message timer is extended (``override_message_timeout``,
 as for the router queue), by at most :data:`HOLD_MAX_SECONDS`: the shipped Envoy configs
@@ -47,6 +53,10 @@ HOLD_MAX_SECONDS = 28.0
 # A timer fires this long after a deadline, so that the deadline has passed (expire takes
 # the requests with deadline < now).
 TIMER_SLACK = 0.001
+# While requests are held they are decided again at least this often (besides every stream
+# end and load report), so that one whose prediction stopped fitting (the running requests
+# grew old) is answered within this long rather than at its deadline.
+RECHECK_SECONDS = 0.1
 # A deadline timer whose step raised (counted as a failure of the ``held_timer`` background
 # task) fires again this much later, so that the held requests are still answered.
 TIMER_RETRY = 0.05
@@ -180,6 +190,13 @@ class HeldRequests:
         if not q:
             return
         workers = [w for w in pool.by_model.get(model, ()) if w.configured]
+        self._fill(model, workers, now)
+        self._redecide(model, workers, now)
+
+    def _fill(self, model: str, workers: list[Worker], now: float) -> None:
+        """Give every free slot a held request (the module's rule, step 3)."""
+        admission = self.admission
+        q = admission.held[model]
         free: dict[str, int] = {}
         for worker in workers:
             n = admission.estimate(worker.worker_id).free_slots(now)
@@ -205,6 +222,27 @@ class HeldRequests:
                 break
             if not any(free.values()):
                 break
+
+    def _redecide(self, model: str, workers: list[Worker], now: float) -> None:
+        """Decide each request still held again on the prediction now, behind the held
+        requests before it (the module's rule, step 4): one that no longer fits on any worker
+        the thresholds leave free for it is answered at once."""
+        admission = self.admission
+        q = admission.held.get(model)
+        if not q:
+            return
+        for ahead, h in enumerate(list(q)):
+            w = self.waiters.get(h.key)
+            target = admission.target_s(model, w.class_name) if w is not None else None
+            if w is None or target is None:
+                continue
+            candidates = [wk for wk in workers if is_free(wk, w.variant, now)]
+            if not candidates:
+                continue  # busy by the thresholds: its deadline answers it
+            reply = admission.recheck(candidates, w.prompt_tokens, target, w.arrived, now, ahead)
+            if reply is not None:
+                q.remove(h.key)
+                self._finish(w, self.reject(w.key, reply))
 
     def _late(self, w: Waiter, now: float) -> Reject:
         """The deadline reply's wait for a request whose deadline passed: the smallest
@@ -247,7 +285,8 @@ class HeldRequests:
         first = next(iter(q))
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to time
             loop = asyncio.get_running_loop()
-            delay = max(at_least, max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK)
+            due = max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK
+            delay = max(at_least, min(due, RECHECK_SECONDS))
             self._timers[model] = loop.call_later(delay, self._fire, model)
 
     def close(self) -> None:

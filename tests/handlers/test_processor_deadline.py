@@ -191,14 +191,38 @@ async def test_a_held_request_past_its_deadline_gets_the_deadline_reply() -> Non
 async def test_the_deadline_timer_answers_a_held_request_without_any_event() -> None:
     handler, clock = make(target_ms=500.0)
     learn(handler, clock, "a", scale=0.2)  # 0.2 s a request: a wait that fits 0.5 s
-    send(handler, "r1")
     loop = asyncio.get_running_loop()
     clock.t = loop.time()  # the pool's clock is the loop's: the timer fires for real
     handler.pool.clock = loop.time
+    send(handler, "r1")
     _, raw = send(handler, "r2")
     assert isinstance(raw, tuple), raw
     status, hdrs, _ = local(parsed(await asyncio.wait_for(raw[1], 3)))
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+
+
+async def test_a_held_request_is_answered_once_the_running_one_outlives_every_recent_one() -> None:
+    """Held behind a request that runs past every recent slot time (1 s), a request is
+    decided again on each pump: by 3 s its wait is predicted at about the running one's age,
+    past what is left of its 5-s target, and it gets the deadline reply then, not at its
+    deadline; at 0.5 s it still fits and stays held."""
+    handler, clock = make(target_ms=5000.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")  # takes the only slot and never ends
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple), raw
+    task = asyncio.ensure_future(raw[1])
+    assert handler.held is not None and handler.admission is not None
+    clock.t += 0.5
+    handler.held.pump("m")  # what a load report or the periodic re-decision does
+    await asyncio.sleep(0)
+    assert not task.done()
+    clock.t += 2.5
+    handler.held.pump("m")
+    status, hdrs, _ = local(parsed(await asyncio.wait_for(task, 1)))
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+    assert int(hdrs["retry-after-ms"]) >= 2000  # the wait now predicted: about its age
+    assert not handler.admission.held.get("m")
 
 
 async def test_a_client_that_goes_away_while_held_releases_everything() -> None:
