@@ -488,7 +488,7 @@ ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
 # --quick: every part of the run, shortened to a minute or two (a test of the report's
 # shape, not of the goals: its phases are too short to judge them, no window is judged).
 QUICK: dict[str, Any] = {
-    "phases": "1:2,3:6,10:2,1:2", "slow_at": 1.0, "slow_for": 5.0, "sweep": "",
+    "phases": "1:2,3:6,10:2,1:2", "slow_at": 1.0, "slow_for": 4.0, "sweep": "",
     "sweep_phases": "3:3", "unloaded_probes": 11, "capacity_seconds": 8.0,
     "capacity_warmup": 1.0, "capacity_probes": 3, "classes_seconds": 4.0, "grace": 2.0,
 }  # fmt: skip
