@@ -125,6 +125,8 @@ QUOTING = {
     "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
+    "latency-target.md": {("slo goodput per phase", "slo-results.json"),
+                          ("lines", "slo-results.md")},
 }  # fmt: skip
 
 
