@@ -250,14 +250,24 @@ class InFlight:
         self._release(completed=self.ok)
 
     def end(self) -> None:
-        """The routing stream ended, whatever ended it: the estimate is released."""
+        """The routing stream ended, whatever ended it: the estimate is released.
+
+        A request whose response headers were 2xx counts as completed for deadline
+        admission, its end now: with a filter that sends no response body (or whose body
+        end was not seen) the end of the ext_proc stream is the only end the router sees.
+        The handler cannot tell Envoy's close after the response from a client's reset
+        mid-response: the transport ends the session the same way (Envoy's ext_proc filter
+        closes its stream when the HTTP stream goes, whichever way it goes). Both free the
+        engine's slot now (on a client's reset Envoy resets the upstream request too), so
+        both are a time the request held its slot. A stream that ended before 2xx headers
+        (a refusal, a client gone before the response) is not."""
         table = self.table
         if self.streaming and not (
             self.output_source or self.observed or self.body_streamed or self.duplex_response
         ):
             table.output_unobserved()
         self.ended_at = table.pool.clock()
-        self._release()
+        self._release(completed=self.ok)
         if self.request_id is not None:
             table.live.pop(self.request_id, None)
 

@@ -404,3 +404,27 @@ def test_non_streamed_responses_teach_the_completion_rate_and_nothing_else() -> 
     session.close()
     after = handler.admission.view(handler.pool.workers["a"])
     assert after["service_ms"] == pytest.approx(500.0)
+
+
+@pytest.mark.parametrize(("status", "counted"), [(200, True), (404, False)], ids=["2xx", "not-2xx"])
+def test_a_2xx_whose_body_the_filter_never_sends_completes_at_the_streams_end(
+    status: int, counted: bool
+) -> None:
+    """With a filter that sends no response body (envoy/envoy.yaml), a 2xx response's end
+    is the end of its ext_proc stream: it counts as completed, its slot time from dispatch
+    to then, and the worker's completion rate is measured; a response that was not 2xx
+    is not counted."""
+    handler, clock = make(target_ms=2000.0)
+    assert handler.admission is not None
+    est = handler.admission.estimate("a")
+    for i in range(3):
+        session, raw = send(handler, f"r{i}")
+        assert destination(parsed(raw)) == "127.0.0.1:1"
+        clock.t += 1.5
+        session.receive(response_headers(status, extra={"content-type": "application/json"}))
+        session.close()  # Envoy closes the stream after the response: no body, no trailers
+    assert est.service.count == (3 if counted else 0)
+    assert ("completions" in est.missing) is not counted
+    if counted:
+        assert est.service.value == pytest.approx(1.5)
+        assert est.rate(clock.t) == pytest.approx(1 / 1.5)
