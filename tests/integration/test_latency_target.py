@@ -64,11 +64,14 @@ class Stack:
 
 @contextlib.contextmanager
 def sim_stack(
-    tmp_path: Path, publish: bool = True, ext_args: tuple[str, ...] = ()
+    tmp_path: Path,
+    publish: bool = True,
+    ext_args: tuple[str, ...] = (),
+    envoy_config: str = "envoy-track-output.yaml",
 ) -> Iterator[Stack]:
     """The extproc, one simulated engine ("sim", model "m", one slot) and Envoy with the
-    output-observing filter chain; everything stopped on the way out. ``publish`` False:
-    the engine publishes nothing (the test announces it)."""
+    output-observing filter chain (or ``envoy_config`` of envoy/); everything stopped on
+    the way out. ``publish`` False: the engine publishes nothing (the test announces it)."""
     ext = Extproc(tmp_path, ["--worker-ttl", "60", "--log-level", "INFO", *ext_args])
     port = free_port()
     sim = envoy = None
@@ -82,7 +85,7 @@ def sim_stack(
         wait_until(lambda: sim is not None and sim.healthy(port), 20, "sim up")
         if publish:
             wait_until(lambda: "sim" in ext.workers(), 10, "sim announced")
-        envoy = Envoy(tmp_path, ext, [port], source=ROOT / "envoy" / "envoy-track-output.yaml")
+        envoy = Envoy(tmp_path, ext, [port], source=ROOT / "envoy" / envoy_config)
         yield Stack(ext, sim, envoy, port)
     finally:
         if envoy is not None:
@@ -284,3 +287,26 @@ async def test_a_class_target_is_the_deadline_of_that_classs_requests(tmp_path: 
             assert (await long).status == 200
         assert critical.status == 200 and critical.first_byte > 1.0  # held for the slot
         assert stack.metric("extproc_held_wait_seconds_count") == 1
+
+
+async def test_non_streamed_2xx_through_a_filter_that_sends_no_body_measure_the_rate(
+    tmp_path: Path,
+) -> None:
+    """envoy/envoy.yaml sends the extproc the response headers only: a non-streamed 200's
+    end is the end of its ext_proc stream. After three of them the worker's completions are
+    measured (not listed as missing), each slot time about the request's own duration."""
+    body = {**LONG, "stream": False}
+    with sim_stack(tmp_path, envoy_config="envoy.yaml") as stack:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            done = [await request(session, stack.envoy.url, body) for _ in range(3)]
+        assert all(r.status == 200 for r in done), done
+
+        def measured() -> bool:
+            view = stack.ext.workers()["sim"]["deadline"]
+            return view["in_flight"] == 0 and "completions" not in view["missing"]
+
+        await asyncio.to_thread(wait_until, measured, 10, "the completions measured")
+        view = stack.ext.workers()["sim"]["deadline"]
+        assert view["completion_rate_per_s"] is not None
+        shortest = min(r.done for r in done) * 1000
+        assert 0.5 * shortest <= view["service_ms"] <= 1.5 * max(r.done for r in done) * 1000
