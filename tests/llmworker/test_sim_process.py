@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
 
 import aiohttp
 import pytest
@@ -86,6 +88,9 @@ async def test_sigint_stops_cleanly_without_publishing() -> None:
         await wait_until(lambda: _healthy(port), timeout=15, what="the sim to serve")
     finally:
         sim.send_signal(signal.SIGINT)
+        # Let SIGINT alone end it: stop() would send SIGTERM to a worker still stopping.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sim.popen.wait(15)
         code, err = sim.stop(), sim.log()
     assert code == 0, err
 
