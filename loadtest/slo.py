@@ -59,6 +59,7 @@ from loadtest.shedbench.capacity import (
     RateProbe,
     judge_probe,
     measure_unloaded,
+    probe_seconds,
     search_capacity,
 )
 from loadtest.shedbench.classes import Request
@@ -248,8 +249,9 @@ async def find_capacity(
     """The capacity at target (see :func:`search_capacity`), thresholds off, no retries."""
     how = (
         f"from {opts.capacity_start:g} req/s doubling while the target holds, halving while "
-        f"it does not, then bisecting to within 10 %; each rate one probe of "
-        f"{opts.capacity_seconds:g} s of Poisson arrivals without retries, judged on those "
+        f"it does not (down to 1/8 of it), then bisecting to within 10 %; each rate one probe "
+        f"of {opts.capacity_seconds:g} s of Poisson arrivals without retries (longer at a "
+        f"low rate, for 25 requests after the warm-up, at most 4 x as long), judged on those "
         f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
         f"their TTFT p99 within target); at most {opts.capacity_probes} probes"
     )
@@ -261,7 +263,8 @@ async def find_capacity(
         nonlocal seq
         seq += 1
         rng = random.Random(f"{cfg.seed}-capacity-{seq}")
-        outs = await open_loop(session, stack.url, cfg, rate, rng, opts.capacity_seconds, cfg.grace)
+        seconds = probe_seconds(rate, opts.capacity_seconds, opts.capacity_warmup)
+        outs = await open_loop(session, stack.url, cfg, rate, rng, seconds, cfg.grace)
         await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
         result = judge_probe(rate, outs, opts.capacity_warmup, target_ms)
         log(f"capacity probe {rate:.2f} req/s: TTFT p99 {result.ttft_p99_ms:.0f} ms of "

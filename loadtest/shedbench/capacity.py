@@ -102,7 +102,7 @@ async def search_capacity(
     """The highest Poisson rate whose probe holds the target, and every probe in order.
 
     From ``start`` the rate doubles while it holds (halves while it does not, down to
-    ``start / 32``) until one rate holds and a higher one does not; then bisects between
+    ``start / 8``) until one rate holds and a higher one does not; then bisects between
     them until they are within ``resolution`` of the lower one. At most ``max_probes``
     probes. Assumes one probe per rate is enough (the TTFT p99 grows with the rate);
     0.0 when no rate held."""
@@ -121,13 +121,20 @@ async def search_capacity(
             rate *= 2
         elif low is None:
             rate /= 2
-            if rate < start / 32:
+            if rate < start / 8:
                 break
         elif high - low <= resolution * low:
             break
         else:
             rate = (low + high) / 2
     return (low or 0.0), probes
+
+
+def probe_seconds(rate: float, seconds: float, warmup: float) -> float:
+    """How long a probe at ``rate`` runs: ``seconds``, or long enough to judge about
+    1.25 x :data:`MIN_JUDGED` requests after the warm-up at a low rate, at most 4 x
+    ``seconds``."""
+    return min(4 * seconds, max(seconds, warmup + 1.25 * MIN_JUDGED / rate))
 
 
 def judge_probe(rate: float, outcomes: list[Outcome], warmup: float, target_ms: float) -> RateProbe:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from extproc.devstack import PYTHON, ROOT
-from loadtest.shedbench.capacity import RateProbe, judge_probe, search_capacity
+from loadtest.shedbench.capacity import RateProbe, judge_probe, probe_seconds, search_capacity
 from loadtest.shedbench.classes import Request
 from loadtest.shedbench.client import Outcome
 from loadtest.shedbench.phases import held_requests
@@ -114,10 +114,16 @@ def test_the_search_finds_the_highest_rate_that_holds_within_10_percent(
 def test_the_search_is_bounded_and_says_0_when_no_rate_holds() -> None:
     calls: list[float] = []
     found, _ = asyncio.run(search_capacity(_plant(0.0, calls), 4.0, 20))
-    assert found == 0.0 and min(calls) >= 4.0 / 32 and len(calls) <= 7
+    assert found == 0.0 and min(calls) >= 4.0 / 8 and len(calls) <= 4
     calls.clear()
     found, _ = asyncio.run(search_capacity(_plant(1e9, calls), 4.0, 5))
     assert len(calls) == 5 and found == 64.0  # still doubling when the probes ran out
+
+
+def test_a_probe_at_a_low_rate_runs_long_enough_to_judge_20_requests_within_bounds() -> None:
+    assert probe_seconds(10.0, 16.0, 4.0) == 16.0  # 120 judged at the default length
+    assert probe_seconds(0.5, 40.0, 8.0) == 58.0  # 8 s of warm-up + 25 requests at 0.5/s
+    assert probe_seconds(0.05, 40.0, 8.0) == 160.0  # at most 4 x the default
 
 
 def test_a_probe_holds_only_with_enough_requests_none_refused_and_its_p99_within() -> None:
