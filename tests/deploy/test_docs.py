@@ -126,7 +126,9 @@ QUOTING = {
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
     "latency-target.md": {("slo goodput per phase", "slo-results.json"),
-                          ("lines", "slo-results.md")},
+                          ("lines", "slo-results.md"),
+                          ("slo goodput per phase", "slo-llamacpp-results.json"),
+                          ("lines", "slo-llamacpp-results.md")},
 }  # fmt: skip
 
 
