@@ -251,7 +251,7 @@ async def find_capacity(
         f"from {opts.capacity_start:g} req/s doubling while the target holds, halving while "
         f"it does not (down to 1/8 of it), then bisecting to within 10 %; each rate one probe "
         f"of {opts.capacity_seconds:g} s of Poisson arrivals without retries (longer at a "
-        f"low rate, for 25 requests after the warm-up, at most 4 x as long), judged on those "
+        f"low rate, for 35 requests after the warm-up, at most 4 x as long), judged on those "
         f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
         f"their TTFT p99 within target); at most {opts.capacity_probes} probes"
     )

@@ -122,7 +122,7 @@ def test_the_search_is_bounded_and_says_0_when_no_rate_holds() -> None:
 
 def test_a_probe_at_a_low_rate_runs_long_enough_to_judge_20_requests_within_bounds() -> None:
     assert probe_seconds(10.0, 16.0, 4.0) == 16.0  # 120 judged at the default length
-    assert probe_seconds(0.5, 40.0, 8.0) == 58.0  # 8 s of warm-up + 25 requests at 0.5/s
+    assert probe_seconds(0.5, 40.0, 8.0) == 78.0  # 8 s of warm-up + 35 requests at 0.5/s
     assert probe_seconds(0.05, 40.0, 8.0) == 160.0  # at most 4 x the default
 
 
