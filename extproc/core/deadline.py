@@ -740,7 +740,13 @@ def decide(
         return Hold(best.worker, wait, deadline, frozenset(w for _, w in workers))
     idle = min(p.idle for p in predictions)
     waits = [p.wait for p in predictions if p.wait is not None]
-    return Reject(min(waits) if waits else None, idle > left, idle)
+    if not waits:
+        return Reject(None, idle > left, idle)
+    # When to come back: not before a slot frees (the wait), and not before the work ahead
+    # has drained by what the prediction exceeds the target (a free slot with a long prefill
+    # queue ahead has a wait of 0, and a retry 1 ms later would be refused the same way).
+    excess = min(p.ttft - left for p in predictions if p.ttft is not None)
+    return Reject(max(min(waits), excess), idle > left, idle)
 
 
 def still_fits(

@@ -825,3 +825,19 @@ def test_held_behind_long_generations_without_their_ages_waits_to_its_deadline(
     _, during, _ = long_generations(Admitting())
     late = [r for r in during if (r.decision_delay or 0.0) > 0.5 * TARGET]
     assert len(late) >= 0.9 * len(during), [(r.outcome, r.decision_delay) for r in during]
+
+
+def test_a_rejection_with_a_slot_free_says_to_come_back_once_the_work_ahead_drained() -> None:
+    """A slot is free but the prefill ahead makes the first token late: the retry hint is
+    what the prediction exceeds the target by, not the wait of 0 (a retry 1 ms later would
+    meet the same queue)."""
+    p = Prediction(
+        "w", ttft=0.9, wait=0.0, prefill=0.85, gateway=0.05, ahead=0, can_start=True, idle=0.2
+    )
+    d = decide([p], 0.5, 10.0)
+    assert isinstance(d, Reject) and not d.unreachable
+    assert (d.retry_after, d.retry_after_ms) == (1, 400)
+    # Waiting for a slot: the wait, as before (the excess is smaller than the wait).
+    q = replace(p, ttft=1.3, wait=1.1, prefill=0.15, can_start=False)
+    d = decide([q], 0.5, 10.0)
+    assert isinstance(d, Reject) and (d.retry_after, d.retry_after_ms) == (2, 1100)
