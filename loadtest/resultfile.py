@@ -53,6 +53,32 @@ def envoy_version() -> str:
     return m.group(1) if m else "unknown"
 
 
+def code_version() -> str:
+    """The commit the product code was at (``git rev-parse --short HEAD``), with
+    ``+ uncommitted changes`` when extproc/, llmworker/, loadtest/ or envoy/ differ from it;
+    ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd=ROOT,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "extproc", "llmworker", "loadtest", "envoy"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd=ROOT,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head} + uncommitted changes" if dirty else head
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
@@ -78,11 +104,13 @@ class Run:
     command: str
     started: float = field(default_factory=time.time)
     loadavg_before: str = field(default_factory=proc_loadavg)
+    code: str = field(default_factory=code_version)
 
     def finish(self) -> dict[str, Any]:
         ended = time.time()
         return {
             "command": self.command,
+            "code": self.code,
             "started_utc": _utc(self.started),
             "finished_utc": _utc(ended),
             "seconds": round(ended - self.started, 1),
@@ -99,7 +127,8 @@ def header(title: str, run: dict[str, Any]) -> str:
         f"## {title}\n\n"
         f"Command (took {run['seconds']:.0f} s):\n\n"
         f"```sh\n{run['command']}\n```\n\n"
-        f"Run from {run['started_utc']} to {run['finished_utc']} UTC on {m['cpus']} CPUs "
+        + (f"Code at commit `{run['code']}`. " if run.get("code") else "")
+        + f"Run from {run['started_utc']} to {run['finished_utc']} UTC on {m['cpus']} CPUs "
         f"({m['cpu_model']}), Linux {m['kernel']}, Python {m['python']}, Envoy {m['envoy']}. "
         f"`/proc/loadavg` before: `{run['loadavg_before']}`; after: "
         f"`{run['loadavg_after']}`. The machine is shared with other work; compare the paths "

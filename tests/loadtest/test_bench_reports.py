@@ -112,3 +112,5 @@ def test_run_records_the_command_the_load_and_the_machine() -> None:
         assert len(run[key].split()) == 5, run[key]
     assert run["machine"]["cpus"] >= 1 and run["machine"]["envoy"].count(".") == 2
     assert run["started_utc"] <= run["finished_utc"] and run["seconds"] >= 0
+    assert run["code"] != "unknown" and run["code"].split()[0].isalnum(), run["code"]
+    assert f"Code at commit `{run['code']}`." in resultfile.header("t", run)
