@@ -499,7 +499,7 @@ def render(data: dict[str, Any]) -> str:
         parts.append(
             "### Decisions\n\n"
             + "\n".join(
-                f"- {path}: routed {d['routed']:g}, overloaded {d['overloaded']:g}"
+                f"- {path}: routed {d['routed']:,.0f}, overloaded {d['overloaded']:,.0f}"
                 for path, d in data["decisions"].items()
             )
             + "\n"

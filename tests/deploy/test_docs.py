@@ -121,7 +121,13 @@ _MARK = re.compile(r"^<!-- (rows|lines|slo goodput per phase) from ([\w.-]+) -->
 # Docs whose figures are held to their results files this way, and the marks each must keep
 # (a mark deleted would silently stop the check).
 QUOTING = {
-    "performance.md": {("rows", "overload-results.md"), ("lines", "overload-results.md")},
+    "performance.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
+                       ("rows", "bench-results.md"), ("lines", "bench-results.md"),
+                       ("rows", "events-results.md"), ("lines", "events-results.md"),
+                       ("lines", "storm-results.md"), ("rows", "stream-results.md")},
+    "request-path.md": {("rows", "bench-results.md"), ("lines", "bench-results.md")},
+    "transport.md": {("rows", "storm-results.md"), ("lines", "storm-results.md")},
+    "replicas.md": {("rows", "replicas-results.md"), ("lines", "replicas-results.md")},
     "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},

@@ -123,7 +123,7 @@ def test_report_is_written_from_the_json_and_holds_the_run(tmp_path: Path) -> No
     assert "| short | 1 | extproc: added / ratio | +0.400 | +1.000 | 0.78x | 1.50x | | | |" in lines
     assert ("| short | 32 | extproc, every worker busy (529) | 3.000 | 9.000 "
             "| 5000 (2.50x direct) | 90 | 40 | 50% | 25% |") in lines  # fmt: skip
-    assert "- extproc: routed 12000, overloaded 30000" in lines
+    assert "- extproc: routed 12,000, overloaded 30,000" in lines
     assert "| 12.5 % | `data_received (h2/connection.py:10)` |" in lines
     assert all(g in lines for g in bench.goals(data))
 
