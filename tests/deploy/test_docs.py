@@ -132,6 +132,7 @@ QUOTING = {
     "LOADTEST.md": {("rows", "overload-results.md"), ("lines", "overload-results.md"),
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
+    "worker.md": {("rows", "kv-lag-results.md"), ("lines", "kv-lag-results.md")},
     "latency-target.md": {("slo goodput per phase", "slo-results.json"),
                           ("lines", "slo-results.md"),
                           ("slo goodput per phase", "slo-llamacpp-results.json"),
