@@ -136,18 +136,7 @@ class LlamaCppWorkers:
             new_session=True,
             append_log=append_log,
         )
-        try:
-            agent = AgentProcess(
-                self.agent_args(worker_id, port),
-                log_dir=log_dir,
-                name=f"{worker_id}-agent",
-                new_session=True,
-                append_log=append_log,
-            )
-        except BaseException:
-            engine.stop()
-            raise
-        return [engine, agent]
+        return _with_agent(engine, self.agent_args(worker_id, port), worker_id, log_dir, append_log)
 
     def serving(self, port: int) -> bool:
         return answers(f"http://127.0.0.1:{port}/health")
@@ -208,18 +197,8 @@ class VllmWorkers:
             wait=False,
             append_log=append_log,
         )
-        try:
-            agent = AgentProcess(
-                self.agent_args(worker_id, port, kv_events),
-                log_dir=log_dir,
-                name=f"{worker_id}-agent",
-                new_session=True,
-                append_log=append_log,
-            )
-        except BaseException:
-            engine.stop()
-            raise
-        return [engine, agent]
+        agent_args = self.agent_args(worker_id, port, kv_events)
+        return _with_agent(engine, agent_args, worker_id, log_dir, append_log)
 
     def serving(self, port: int) -> bool:
         return answers(f"http://127.0.0.1:{port}/health")
@@ -299,3 +278,22 @@ class WorkerSlot:
         for proc in self.procs:
             proc.stop()
         self.procs = []
+
+
+def _with_agent(
+    engine: Proc, agent_args: list[str], worker_id: str, log_dir: Path, append_log: bool
+) -> list[Proc]:
+    """The engine and, beside it, its sidecar agent; the engine is stopped if the agent
+    cannot start, so a failed start leaves nothing running."""
+    try:
+        agent = AgentProcess(
+            agent_args,
+            log_dir=log_dir,
+            name=f"{worker_id}-agent",
+            new_session=True,
+            append_log=append_log,
+        )
+    except BaseException:
+        engine.stop()
+        raise
+    return [engine, agent]
