@@ -18,9 +18,15 @@ router ahead of it::
   flight when that report came: requests of other clients). Past ``slots`` they wait at the
   engine or in the network; with the ``h`` held requests, ``occupancy + h - slots`` requests
   are ahead of it in line, and it starts at the completion after theirs.
-- ``slots``: ``request_total_slots`` when the engine reports it, or, when it also reports
-  requests waiting while fewer run (vLLM short of KV cache), the number running
-  (``request_active_slots``). A worker that does not report its slots learns them from the
+- ``slots``: ``request_total_slots`` when the engine reports it, no more than its KV cache
+  runs at once (its blocks over the blocks a running request holds, averaged over the load
+  reports with requests running: 640 blocks and 512-token prompts run about 17 requests,
+  not the 48 sequences an engine may be allowed), or, when it also reports requests waiting
+  while fewer run (vLLM short of KV cache), the number running (``request_active_slots``).
+  Without the KV bound, a worker whose cache had just drained its waiting requests counted
+  all its sequences free again, and the requests sent to them waited at the engine: on
+  simulated workers at the capacity at target, admitted requests spent a median 400 ms in
+  the worker against a 150 ms target. A worker that does not report its slots learns them from the
   gateway's timings: they are the smallest occupancy at which a request the router sent to
   a presumed free slot was seen queueing (its first byte came later than ``QUEUE_FACTOR`` x
   its predicted prefill + ``QUEUE_MARGIN``), raised to the most requests seen running at
@@ -245,6 +251,10 @@ class WorkerEstimate:
         self.active: int | None = None
         self.total_slots: int | None = None  # 0 counts as not reported
         self.extra = 0  # requests the engine counted beyond the router's own
+        # KV blocks a running request holds, on average over the load reports with requests
+        # running, and the worker's KV cache: how many requests its KV cache runs at once.
+        self.blocks_per_running = Ewma()
+        self.kv_total: int | None = None
         # Slots learnt from the timings when none are reported (the module's rule).
         self.slots_guess: int | None = None
         self.guessed_at = -math.inf
@@ -341,10 +351,16 @@ class WorkerEstimate:
         waiting: int | None = None,
         active: int | None = None,
         total: int | None = None,
+        kv_blocks: int | None = None,
+        kv_total: int | None = None,
     ) -> None:
-        """A load report from the engine (each field None when not reported)."""
+        """A load report from the engine (each field None when not reported); ``kv_blocks``
+        and ``kv_total``: the KV cache blocks in use and in all."""
         self.waiting, self.active = waiting, active
         self.total_slots = total or None
+        self.kv_total = kv_total or None
+        if active and kv_blocks:
+            self.blocks_per_running.add(kv_blocks / active)
         if self.total_slots is None and active and self.slots_guess is not None:
             self.slots_guess = max(self.slots_guess, active)  # seen running at once
         if waiting is None and active is None:
@@ -376,13 +392,25 @@ class WorkerEstimate:
         requests waiting while fewer than its slots run (vLLM short of KV cache) runs no
         more than it runs now."""
         if self.total_slots is not None:
+            slots = self.total_slots
+            kv = self.kv_slots()
+            if kv is not None:
+                slots = min(slots, kv)
             if self.waiting and self.active is not None:
-                return max(1, min(self.total_slots, self.active))
-            return self.total_slots
+                return max(1, min(slots, self.active))
+            return slots
         if self.slots_guess is None:
             return None
         probe = 1 if now - self.guessed_at >= PROBE_EVERY else 0
         return self.slots_guess + probe
+
+    def kv_slots(self) -> int | None:
+        """How many requests the KV cache runs at once: its blocks over the blocks a running
+        request holds on average (None: not reported, or nothing seen running yet)."""
+        per = self.blocks_per_running.get()
+        if not self.kv_total or not per:
+            return None
+        return max(1, int(self.kv_total / per))
 
     def free_slots(self, now: float) -> int | None:
         """Slots free for another request now (what :func:`~extproc.core.held.fill_slots`
@@ -486,6 +514,7 @@ class WorkerEstimate:
             "service_ms": None if not self.service.count else round(self.service.value * 1000, 1),
             "gateway_delay_ms": round((self.gateway.get() or 0.0) * 1000, 1),
             "slots": self.slots(now),
+            "kv_slots": self.kv_slots(),
             "occupancy": self.occupancy(),
             "in_flight": len(self.flights),
             "streaming": self.streaming,

@@ -124,11 +124,14 @@ class DeadlineAdmission:
                 r.reported_active_slots,
                 r.reported_total_slots,
             )
+            blocks, kv_total = r.reported_blocks, worker.kv_total(r)
         else:
             waiting = _sum(r.reported_waiting for r in ranks)
             active = _sum(r.reported_active_slots for r in ranks)
             total = _sum(r.reported_total_slots for r in ranks)
-        self.estimate(worker.worker_id).load(waiting, active, total)
+            blocks = _sum(r.reported_blocks for r in ranks)
+            kv_total = _sum(worker.kv_total(r) for r in ranks)
+        self.estimate(worker.worker_id).load(waiting, active, total, blocks, kv_total)
 
     def engine_ttft(self, worker: Worker, buckets: list[tuple[float, int]]) -> None:
         """The engine's own TTFT buckets of one load report (kept for diagnostics)."""

@@ -661,6 +661,25 @@ def test_an_engine_that_queues_below_its_slots_is_full_at_what_it_runs() -> None
     assert not p.can_start and p.ahead == 2
 
 
+def test_slots_are_bounded_by_what_the_kv_cache_runs_even_with_nobody_waiting() -> None:
+    """48 sequences allowed, but 640 blocks hold about 17 requests of 36 blocks: once the
+    engine's queue drains, the worker is not taken for 48 free slots."""
+    est = WorkerEstimate("w")
+    t = measured(est, 1)
+    est.load(waiting=0, active=3, total=48)  # no KV reported: the sequences alone
+    assert est.slots(t) == 48 and est.kv_slots() is None
+    est.load(waiting=0, active=16, total=48, kv_blocks=576, kv_total=640)
+    assert est.kv_slots() == 17 and est.slots(t) == 17
+    est.load(waiting=3, active=15, total=48, kv_blocks=570, kv_total=640)
+    assert est.slots(t) == 15  # some wait while fewer run: what it runs now
+    est.load(waiting=0, active=17, total=48, kv_blocks=610, kv_total=640)
+    assert est.slots(t) == 17  # drained: back to the KV bound, not to 48
+    assert est.view(t)["kv_slots"] == 17
+    small = WorkerEstimate("small")
+    small.load(waiting=0, active=2, total=4, kv_blocks=2, kv_total=7)
+    assert small.slots(t) == 4  # short requests: the sequences bound it, not the KV
+
+
 def test_a_worker_reporting_waiting_but_no_slots_learns_them_and_is_not_gateway_only() -> None:
     est = WorkerEstimate("w")
     t = measured(est, 1)
