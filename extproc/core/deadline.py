@@ -149,6 +149,7 @@ PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request pa
 WAIT_Z = 1.28
 PREFILL_MARGIN = 2.0
 MAX_RETRY_AFTER = 60
+ROUNDING = 1e-9  # a wait of 0.7000000000000002 s is 700 ms, not 701
 
 # Names of the inputs, as /debug/workers lists the missing ones.
 WAITING = "num_requests_waiting"
@@ -720,7 +721,7 @@ class Reject:
         """``Retry-After``: the wait in whole seconds, rounded up, 1-60 (1 when unknown)."""
         if self.wait is None:
             return 1
-        return max(1, min(MAX_RETRY_AFTER, math.ceil(self.wait)))
+        return max(1, min(MAX_RETRY_AFTER, math.ceil(self.wait - ROUNDING)))
 
     @property
     def retry_after_ms(self) -> int:
@@ -728,7 +729,7 @@ class Reject:
         when unknown), at most the ``Retry-After`` ceiling."""
         if self.wait is None:
             return 1000
-        return max(1, min(MAX_RETRY_AFTER * 1000, math.ceil(self.wait * 1000)))
+        return max(1, min(MAX_RETRY_AFTER * 1000, math.ceil(self.wait * 1000 - ROUNDING)))
 
 
 Decision = Dispatch | Hold | Reject

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from extproc.core.classes import ClassRegistry
 from extproc.core.deadline import (
     Decision,
+    Dispatch,
     Prediction,
     Reject,
     WorkerEstimate,
@@ -49,6 +50,11 @@ GATEWAY_ONLY = "predicted from the gateway's timings alone"
 # with its spread, is above the target) still gets one request this often, so that the
 # measurement follows the worker: a cold start or a stall is not held against it for ever.
 PROBE_UNREACHABLE_SECONDS = 0.25
+# A retry (a client's attempt after an overload reply, as the OpenAI SDKs number theirs in
+# ``x-stainless-retry-count``) is answered at once while the deadline has refused a first
+# attempt of its model this recently: its user has already waited past the first answer and
+# the backoff, so a slot it takes is one a first attempt could still meet its target on.
+RETRY_YIELD_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -88,6 +94,8 @@ class DeadlineAdmission:
         self.met: dict[str, TargetMet] = {}
         # When each worker last got a request its target was unreachable for (a probe).
         self.probed_at: dict[str, float] = {}
+        # When the deadline last refused a first attempt of each model.
+        self.refused_at: dict[str, float] = {}
 
     # ----- targets -------------------------------------------------------------------
 
@@ -218,11 +226,25 @@ class DeadlineAdmission:
         target_s: float,
         arrived: float,
         now: float,
+        retry: bool = False,
     ) -> tuple[Decision, list[Prediction]]:
         """Dispatch, hold or reject one request (``candidates``: not empty, not busy by
-        the thresholds); with the predictions it was decided on."""
+        the thresholds); with the predictions it was decided on. ``retry``: the client says
+        this is a retry of a refused attempt: while a first attempt of the model was refused
+        within :data:`RETRY_YIELD_SECONDS`, it is refused too, with the wait that decision
+        gave or what is left of that second, whichever is longer."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
-        return decide(preds, target_s, now, arrived), preds
+        decision = decide(preds, target_s, now, arrived)
+        if not retry:
+            if type(decision) is Reject:
+                self.refused_at[model] = now
+            return decision, preds
+        since = now - self.refused_at.get(model, -math.inf)
+        if since < RETRY_YIELD_SECONDS:
+            left = RETRY_YIELD_SECONDS - since
+            wait = decision.wait if type(decision) is not Dispatch else None
+            return Reject(max(left, wait or 0.0)), preds
+        return decision, preds
 
     def recheck(
         self,

@@ -3,6 +3,8 @@ feeds from load reports, what it shows, and the estimates of workers that left."
 
 from __future__ import annotations
 
+import pytest
+
 from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, parse_table
 from extproc.core.deadline import Dispatch, Hold, Reject
@@ -83,6 +85,36 @@ def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
     assert isinstance(decision, Hold) and decision.deadline <= t + 5.0
     decision, _ = admission.admit("m", [worker], 100, 0.5, t, t)  # it does not fit 0.5 s
     assert isinstance(decision, Reject) and decision.wait is not None and decision.wait > 0.5
+
+
+def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
+    """A retry (the client says so) is refused while the deadline refused a first attempt
+    of its model within the last second; before that and after it, it is decided alike."""
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
+    admission.load(pool.workers["w"])
+    worker = pool.workers["w"]
+    t = 0.0
+    for i in range(6):  # 0.1 s to the first byte, 1 s a request
+        admission.dispatched(i, worker, 100, t, t)
+        admission.first_byte(i, worker, t + 0.1)
+        admission.ended(i, worker, t + 1.0, 10)
+        t += 1.0
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t, t, retry=True)
+    assert isinstance(decision, Dispatch)  # nothing refused yet: a retry is a request
+    admission.dispatched("busy", worker, 100, t, t)
+    decision, _ = admission.admit("m", [worker], 100, 0.5, t, t)  # a first attempt
+    assert isinstance(decision, Reject)
+    admission.ended("busy", worker, t + 0.2)  # the slot frees
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.2, t + 0.2)
+    assert isinstance(decision, Dispatch)  # a first attempt takes the free slot
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.3, t + 0.3, retry=True)
+    assert isinstance(decision, Reject)  # a retry does not, 0.3 s after the refusal
+    assert decision.wait == pytest.approx(0.7) and decision.retry_after_ms == 700
+    assert admission.refused_at["m"] == t  # a refused retry does not extend the second
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.0, t + 1.0, retry=True)
+    assert isinstance(decision, Dispatch)  # a second later: decided like any request
 
 
 def test_the_share_met_and_the_models_with_a_target() -> None:
