@@ -34,11 +34,12 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
 from typing import Any
 
+from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.classes import ClassRegistry, ClassTable, RequestClass
-from extproc.core.deadline import Dispatch, Hold, Prediction, Reject
+from extproc.core.deadline import Dispatch, Hold, Prediction, Reject, predict_ttft
 from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import (
@@ -73,6 +74,13 @@ WORKER_OVERLOADED_HEADER = "x-worker-overloaded"
 # connection failure (response flags UF, UH, UC): the worker was never reached.
 UPSTREAM_FAILURE_HEADER = "x-upstream-failure"
 REQUEST_ID_HEADER = "x-request-id"
+# The OpenAI SDKs (Python and Node) number each attempt of a request: 0 for the first, 1 and
+# 2 for their retries after an overload reply. Deadline admission lets a retry yield its slot
+# to first attempts while those are being refused (docs/latency-target.md).
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+# Set on a request dispatched by deadline admission (a TTFT target): the predicted TTFT of
+# the worker it was sent to, in ms (one decimal); never set by the plain threshold rule.
+PREDICTED_TTFT_HEADER = "x-ttft-predicted-ms"
 # Set by the shipped Envoy configs' inference routes on every upstream response to the
 # host that served it (%UPSTREAM_HOST%, overwriting a worker's own), and removed before the
 # client sees it. In the Endpoint Picker protocol the gateway says the same in the
@@ -131,6 +139,7 @@ class _Stream:
         "prompt_tokens",
         "request_class",
         "request_id",
+        "retry",
         "routed",
         "stream",
         "subset",
@@ -155,6 +164,7 @@ class _Stream:
         self.phase = "request_body"
         self.prompt_tokens = 0
         self.request_id: str | None = None
+        self.retry = False  # the client numbers this attempt as a retry
         self.stream = False  # the body asked for a streamed response
         # The gateway's endpoint subset (Endpoint Picker protocol): None = not given.
         self.subset: tuple[str, ...] | None = None
@@ -326,6 +336,8 @@ class ExtProcHandler:
                 method = _header_value(h)
             elif key == REQUEST_ID_HEADER:
                 st.request_id = _header_value(h)
+            elif key == RETRY_COUNT_HEADER:
+                st.retry = _header_value(h).strip() not in ("", "0")
             elif key == "content-length":
                 length = _header_value(h)
             elif key == class_header:
@@ -570,7 +582,7 @@ class ExtProcHandler:
         if not candidates:  # every worker busy by the thresholds: today's answer
             return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
         decision, preds = self.admission.admit(
-            model, candidates, st.prompt_tokens, target_s, st.arrived, now
+            model, candidates, st.prompt_tokens, target_s, st.arrived, now, st.retry
         )
         best = min((p.ttft for p in preds if p.ttft is not None), default=None)
         if best is not None:
@@ -619,7 +631,12 @@ class ExtProcHandler:
             others.sort(key=lambda w: order.get(w.worker_id, float("inf")))
         limit = self.scheduler.max_fallbacks
         fallbacks = tuple(dict.fromkeys(w.endpoint for w in others))[: max(0, limit)]
-        return self._reply(st, Routed(ticket, fallbacks))
+        reply = self._reply(st, Routed(ticket, fallbacks))
+        mine = next((p for p in preds if p.worker == worker.worker_id), None) if preds else None
+        if mine is None or mine.ttft is None:
+            return reply
+        phase = "request_headers" if st.duplex_request else st.phase
+        return reply + _predicted_header(mine.ttft, phase)
 
     def _deadline_reply(self, st: _Stream, decision: Reject) -> bytes:
         """The overload reply with ``x-shed-reason: deadline``, counted."""
@@ -645,8 +662,12 @@ class ExtProcHandler:
         return result
 
     def _route_held(self, key: Hashable, worker: Worker) -> bytes:
-        assert isinstance(key, _Stream)
-        return self._route_to(key, worker)
+        """A held request given a free slot of ``worker``: its prediction there now (no
+        held request ahead: they are given slots earliest deadline first) goes with it."""
+        assert isinstance(key, _Stream) and self.admission is not None
+        est = self.admission.estimate(worker.worker_id)
+        pred = predict_ttft(est, key.prompt_tokens, 0, self.pool.clock())
+        return self._route_to(key, worker, [pred])
 
     def _deadline_held(self, key: Hashable, decision: Reject) -> bytes:
         assert isinstance(key, _Stream)
@@ -784,6 +805,24 @@ class ExtProcHandler:
                         break
         except Exception:  # an observer must never break the stream
             log.exception("error counting output tokens; ignored")
+
+
+def _predicted_header(ttft_s: float, phase: str) -> bytes:
+    """A reply to the message of ``phase`` that only sets :data:`PREDICTED_TTFT_HEADER`,
+    serialized; appended to a cached routing reply it is merged into it (protobuf parses a
+    concatenation of two messages as one, their repeated header mutations joined)."""
+    option = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(
+            key=PREDICTED_TTFT_HEADER, raw_value=f"{ttft_s * 1000:.1f}".encode()
+        ),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[option]))
+    if phase == "request_headers":
+        msg = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
+    else:
+        msg = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+    return msg.SerializeToString()
 
 
 def _free_rank(worker: Worker, variant: int) -> Rank:
