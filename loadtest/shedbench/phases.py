@@ -62,19 +62,17 @@ class PhasePlan:
 
 @dataclass
 class Sample:
-    """One read of ``/debug/workers`` for one worker: what deadline admission predicted for
-    it (its ``deadline`` block: the predicted TTFT, the slots it counts, the requests it
-    has; None where the extproc does not show them), and the older latency controller's
-    fields where an extproc still has them."""
+    """One read of ``/debug/workers`` for one worker: what deadline admission shows of it
+    (its ``deadline`` block: the predicted TTFT of a typical request, the slots it counts,
+    the requests it has, and the engine's TTFT from the worker's load events, a running
+    mean of histogram bucket upper bounds); None where the extproc does not show them."""
 
     at: float
     worker: str
-    limit: float | None
-    ttft_p99_ms: float | None
-    engine_ttft_p99_ms: float | None = None
     predicted_ttft_ms: float | None = None
     slots: float | None = None
     occupancy: float | None = None
+    engine_ttft_ms: float | None = None
 
 
 @dataclass
@@ -203,18 +201,15 @@ async def _sample_debug(
             view = {}
         at = time.monotonic() - t0
         for w in view.get("workers", []):
-            control = w.get("latency_control") or {}
             deadline = w.get("deadline") or {}
             run.samples.append(
                 Sample(
                     at,
                     w["worker_id"],
-                    control.get("limit"),
-                    control.get("ttft_p99_ms"),
-                    control.get("engine_ttft_p99_ms"),
-                    deadline.get("predicted_ttft_ms"),
-                    deadline.get("slots"),
-                    deadline.get("occupancy"),
+                    predicted_ttft_ms=deadline.get("predicted_ttft_ms"),
+                    slots=deadline.get("slots"),
+                    occupancy=deadline.get("occupancy"),
+                    engine_ttft_ms=deadline.get("engine_ttft_ms"),
                 )
             )
         await _wait(stop, SAMPLE_EVERY)

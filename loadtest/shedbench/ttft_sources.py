@@ -1,18 +1,38 @@
 """How far each source of TTFT is from the TTFT the clients observe.
 
 The clients' TTFT (from sending an attempt to its first ``data:`` chunk) is the truth.
-Three sources are compared with it on the same run:
+The inputs of deadline admission's prediction, and the prediction itself, are compared
+with it on the same run; the rows marked "per request" pair one request with the client's
+TTFT of that same request, the others compare a statistic per worker over an interval:
 
-- the gateway: the extproc's per-worker TTFT p99 over the last 10 s, read from
-  ``/debug/workers`` (only while a latency target is set: nothing is timed otherwise),
-  against the clients' p99 of that worker's attempts sent in the same 10 s; the same for
-  the engine-reported p99 the extproc shows beside it (from the workers' load events);
+- the prediction (per request): what deadline admission predicted for the worker it sent
+  the request to, which the extproc puts in the upstream request's ``x-ttft-predicted-ms``
+  header and Envoy's access log records (``%REQ(X-TTFT-PREDICTED-MS)%``; ``-`` on a request
+  the thresholds decided, with no target), against the client's TTFT of that attempt. A
+  request Envoy retried on a fallback worker keeps the first worker's prediction;
+- the engine as the extproc sees it through the workers' load events: ``/debug/workers``
+  shows per worker (its ``deadline`` block) ``engine_ttft_ms``, a running mean
+  (exponentially weighted, about the last :data:`ENGINE_EWMA_SAMPLES` requests; the plain
+  mean before that many) of the engine's TTFT histogram, each request counted at its
+  bucket's upper bound. It is a mean over a number of requests, not over a time window, so
+  each distinct value is compared with the same running mean of the clients' TTFTs of that
+  worker's attempts, in the order of their first tokens, up to the read. The modes of a
+  benchmark run one after another on the same extproc, whose running mean starts each run
+  with the previous run's values (and the capacity probes'), which the clients' mean of
+  this run does not have: a read is compared only once the worker has had
+  :data:`ENGINE_SETTLE` first tokens in the run, when what is left of the values from before
+  weighs at most :data:`ENGINE_CARRY_OVER` of the mean. (A mean over the last 10 s would not
+  be honest: the extproc's is not one.) Bucket upper bounds make it read high by up to a
+  bucket's width (vLLM's buckets: 100-250 ms counts as 250 ms, 1-2.5 s as 2.5 s), and a load
+  report's lag makes it trail the clients by up to one report period: both are part of the
+  error shown, as the prediction sees them;
 - the engine: each worker's ``vllm:time_to_first_token_seconds`` histogram, its increase
   between two reads turned into p50 and p99 the way Prometheus' ``histogram_quantile``
   does, against the clients' p50 and p99 of that worker's first tokens in the same interval;
-- Envoy: its access log, per request, the time from the request's first byte to the first
+- Envoy (per request): its access log, the time from the request's first byte to the first
   byte of the upstream's response body (``%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:ms)%``),
-  and to its response headers (``%RESPONSE_DURATION%``), matched by ``x-bench-id``.
+  and to its response headers (``%RESPONSE_DURATION%``), matched by ``x-bench-id``: the
+  router's own accounting of dispatch and first body byte, seen from Envoy.
 """
 
 from __future__ import annotations
@@ -23,17 +43,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.core.deadline import EWMA_SAMPLES
 from loadtest.shedbench.client import SERVED_BY, Outcome
 from loadtest.shedbench.phases import BENCH_ID_HEADER, PhasedRun
 from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.workers import Buckets
 
 MIN_SAMPLES = 20  # fewer client TTFTs in an interval: its percentiles are not compared
-GATEWAY_WINDOW = 10.0  # seconds: the extproc's window
+# The extproc's running mean of the engine's TTFT spans about this many requests
+# (extproc.core.deadline.EWMA_SAMPLES); the clients' TTFTs are averaged the same way.
+ENGINE_EWMA_SAMPLES = EWMA_SAMPLES
+# A read is compared once the values from before the run weigh at most this much of it:
+# after ENGINE_SETTLE values (73 for 32).
+ENGINE_CARRY_OVER = 0.1
+ENGINE_SETTLE = math.ceil(math.log(ENGINE_CARRY_OVER) / math.log(1 - 1 / ENGINE_EWMA_SAMPLES))
+PREDICTED_HEADER = "x-ttft-predicted-ms"
 
 ACCESS_LOG_FORMAT = (
     f"%REQ({BENCH_ID_HEADER.upper()})% %RESPONSE_CODE% %RESPONSE_DURATION% "
-    "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%\n"
+    "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
+    f"%REQ({PREDICTED_HEADER.upper()})%\n"
 )
 
 
@@ -70,6 +99,7 @@ class AccessLine:
     headers_ms: float | None  # %RESPONSE_DURATION%
     body_ms: float | None  # first upstream body byte
     upstream_ms: float | None = None  # the request's first byte sent upstream
+    predicted_ms: float | None = None  # x-ttft-predicted-ms; None: not set (no target)
 
 
 def parse_access_log(text: str, tag: str) -> dict[int, AccessLine]:
@@ -77,14 +107,17 @@ def parse_access_log(text: str, tag: str) -> dict[int, AccessLine]:
     out: dict[int, AccessLine] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) != 5 or not parts[0].startswith(tag):
+        if len(parts) not in (5, 6) or not parts[0].startswith(tag):
             continue
         try:
             number = int(parts[0][len(tag) :])
             status = int(parts[1])
         except ValueError:
             continue
-        out_line = AccessLine(status, _ms(parts[2], 1.0), _ms(parts[3], 1e-3), _ms(parts[4], 1e-3))
+        predicted = _ms(parts[5], 1.0) if len(parts) == 6 else None
+        out_line = AccessLine(
+            status, _ms(parts[2], 1.0), _ms(parts[3], 1e-3), _ms(parts[4], 1e-3), predicted
+        )
         if status == 200 or number not in out:
             out[number] = out_line
     return out
@@ -152,28 +185,51 @@ def _first_token(a: Outcome) -> float:
     return a.arrival + (a.ttft or 0.0)
 
 
-def gateway_errors(run: PhasedRun, engine: bool = False) -> list[float]:
-    """Each distinct ``/debug/workers`` p99 per worker (the controller's, or with
-    ``engine`` the engine-reported one) minus the clients' p99 of that worker's attempts
-    sent in the 10 s before it and answered by then."""
-    served = _served(run)
+def prediction_errors(run: PhasedRun, lines: dict[int, AccessLine]) -> list[float]:
+    """Per request dispatched by deadline admission and served: its predicted TTFT (the
+    access log's ``x-ttft-predicted-ms``) minus the client's TTFT of that attempt."""
     errors: list[float] = []
-    last: dict[str, float | None] = {}
-    for s in run.samples:
-        p99 = s.engine_ttft_p99_ms if engine else s.ttft_p99_ms
-        if p99 is None or last.get(s.worker) == p99:
+    for number, req in enumerate(run.requests):
+        line = lines.get(number)
+        if line is None or line.status != 200 or line.predicted_ms is None:
             continue
-        last[s.worker] = p99
-        mine = [
-            a.ttft or 0.0
-            for a in served
-            if a.worker == s.worker
-            and s.at - GATEWAY_WINDOW <= a.arrival
-            and _first_token(a) <= s.at
-        ]
-        if len(mine) >= MIN_SAMPLES:
-            errors.append(p99 - percentile(mine, 99) * 1e3)
+        if not req.admitted or req.last.ttft is None:
+            continue
+        errors.append(line.predicted_ms - req.last.ttft * 1e3)
     return errors
+
+
+def engine_event_errors(run: PhasedRun) -> list[float]:
+    """Each distinct ``engine_ttft_ms`` of ``/debug/workers`` per worker minus the same
+    running mean (:data:`ENGINE_EWMA_SAMPLES`) of the clients' TTFTs of that worker's
+    attempts whose first token came before the read, once there are :data:`ENGINE_SETTLE`
+    (the extproc's mean then owes at most :data:`ENGINE_CARRY_OVER` to earlier runs)."""
+    by_worker: dict[str, list[Outcome]] = {}
+    for a in _served(run):
+        if a.worker:
+            by_worker.setdefault(a.worker, []).append(a)
+    for attempts in by_worker.values():
+        attempts.sort(key=_first_token)
+    errors: list[float] = []
+    last: dict[str, float] = {}
+    for s in sorted(run.samples, key=lambda s: s.at):
+        value = s.engine_ttft_ms
+        if value is None or last.get(s.worker) == value:
+            continue
+        last[s.worker] = value
+        mine = [a.ttft or 0.0 for a in by_worker.get(s.worker, []) if _first_token(a) <= s.at]
+        if len(mine) >= ENGINE_SETTLE:
+            errors.append(value - running_mean(mine, ENGINE_EWMA_SAMPLES) * 1e3)
+    return errors
+
+
+def running_mean(values: Sequence[float], samples: int) -> float:
+    """The extproc's running mean of ``values`` in order: the plain mean of the first
+    ``samples``, then each value weighted 1/``samples``."""
+    mean = 0.0
+    for count, x in enumerate(values, 1):
+        mean += (x - mean) / min(count, samples)
+    return mean
 
 
 def engine_errors(run: PhasedRun, q: float) -> list[float]:
@@ -218,16 +274,21 @@ def compare(
 ) -> list[SourceError]:
     """The table over every run given: one row per source and statistic."""
     rows = [
-        SourceError("gateway (extproc, /debug/workers)", "p99 per worker, last 10 s", []),
-        SourceError("engine, via load events (/debug/workers)", "p99 per worker, last 10 s", []),
+        SourceError("the prediction (extproc, at dispatch)", "per request", []),
+        SourceError(
+            "engine, via load events (/debug/workers engine_ttft_ms)",
+            f"running mean per worker (~{ENGINE_EWMA_SAMPLES} requests), "
+            f"after {ENGINE_SETTLE} in the run",
+            [],
+        ),
         SourceError("engine (vllm:time_to_first_token_seconds)", "p50 per worker, 5 s", []),
         SourceError("engine (vllm:time_to_first_token_seconds)", "p99 per worker, 5 s", []),
         SourceError("Envoy access log, first upstream body byte", "per request", []),
         SourceError("Envoy access log, %RESPONSE_DURATION% (headers)", "per request", []),
     ]
     for run, lines in runs:
-        rows[0].errors_ms += gateway_errors(run)
-        rows[1].errors_ms += gateway_errors(run, engine=True)
+        rows[0].errors_ms += prediction_errors(run, lines)
+        rows[1].errors_ms += engine_event_errors(run)
         rows[2].errors_ms += engine_errors(run, 0.5)
         rows[3].errors_ms += engine_errors(run, 0.99)
         rows[4].errors_ms += envoy_errors(run, lines, body=True)
