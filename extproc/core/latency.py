@@ -242,7 +242,7 @@ class DeadlineAdmission:
         since = now - self.refused_at.get(model, -math.inf)
         if since < RETRY_YIELD_SECONDS:
             left = RETRY_YIELD_SECONDS - since
-            wait = decision.wait if type(decision) is not Dispatch else None
+            wait = None if isinstance(decision, Dispatch) else decision.wait
             return Reject(max(left, wait or 0.0)), preds
         return decision, preds
 
