@@ -48,6 +48,10 @@ class Retry:
     def wait(self, attempt: int, out: Outcome, rng: random.Random) -> float:
         return self.delay(attempt, out.retry_after, rng)
 
+    def headers(self, attempt: int) -> dict[str, str]:
+        """What such a client adds to attempt ``attempt`` (from 1): nothing."""
+        return {}
+
 
 class RetryPolicy(Protocol):
     """When a client retries and how long it waits first."""
@@ -61,6 +65,10 @@ class RetryPolicy(Protocol):
 
     def wait(self, attempt: int, out: Outcome, rng: random.Random) -> float:
         """Seconds before attempt ``attempt + 1``, after attempt ``attempt`` got ``out``."""
+        ...
+
+    def headers(self, attempt: int) -> dict[str, str]:
+        """The headers the client adds to attempt ``attempt`` (from 1)."""
         ...
 
 
@@ -111,6 +119,8 @@ async def attempts(
     while True:
         out = Outcome(arrival=time.monotonic() - t0)
         req.attempts.append(out)
+        if retry is not None:
+            headers = {**(headers or {}), **retry.headers(len(req.attempts))}
         await send(session, url, body, out, t0, headers)
         if retry is None or not retry.retries(out):
             return

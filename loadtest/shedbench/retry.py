@@ -5,7 +5,8 @@ openai-python (``_base_client.py``: ``_should_retry``, ``_calculate_retry_timeou
 ``DEFAULT_MAX_RETRIES = 2`` times. Before retry ``n`` (0 for the first) it waits what the
 server asked, ``retry-after-ms`` first, then ``Retry-After`` (seconds or an HTTP date),
 when that is in (0, 60] s; otherwise ``min(0.5 x 2^n, 8)`` s times a jitter uniform in
-(0.75, 1]. ``x-should-retry: true|false`` overrides the status.
+(0.75, 1]. ``x-should-retry: true|false`` overrides the status. Every attempt carries
+``x-stainless-retry-count``: 0 on the first, then 1 and 2 (``_build_headers``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import random
 from dataclasses import dataclass
 
 from loadtest.shedbench.client import Outcome
+
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
 
 
 def server_wait(out: Outcome) -> float | None:
@@ -52,10 +55,15 @@ class OpenAIRetry:
         backoff = min(self.initial * 2.0 ** (attempt - 1), self.cap)
         return backoff * (1 - 0.25 * rng.random())
 
+    def headers(self, attempt: int) -> dict[str, str]:
+        """What the SDK adds to attempt ``attempt`` (from 1): the retries taken before it."""
+        return {RETRY_COUNT_HEADER: str(attempt - 1)}
+
     def describe(self) -> str:
         return (
             f"the OpenAI SDK's: {self.max_retries} retries of 408, 409, 429, 5xx and "
             "connection errors; before each, `retry-after-ms`, else `Retry-After`, when in "
             f"(0, {self.honoured_up_to:g}] s, else {self.initial:g} s x 2^n (at most "
-            f"{self.cap:g} s) x a jitter in (0.75, 1]"
+            f"{self.cap:g} s) x a jitter in (0.75, 1]; each attempt numbered in "
+            f"`{RETRY_COUNT_HEADER}` (0, 1, 2)"
         )
