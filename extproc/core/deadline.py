@@ -621,12 +621,10 @@ def pool_wait(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) 
     A full worker first finishes the requests it holds beyond its slots (its backlog
     ``b``), then frees slots at its rate ``r``, and each freed slot takes the next held
     request; so by time ``T`` the workers have freed ``sum(max(0, r x T - b))`` slots, and
-    the request's is the ``held_ahead + 1``-th, less the slots free now. None when that is
-    no wait at all (no request held ahead, a worker never full, enough free slots) or no
-    full worker has a measured rate."""
-    if held_ahead <= 0:
-        return None
-    need = float(held_ahead + 1)
+    the request's is the ``held_ahead + 1``-th, less the slots free now: with none held
+    ahead, the first slot any of them frees. None when that is no wait at all (a worker
+    never full, enough free slots) or no full worker has a measured rate."""
+    need = float(max(0, held_ahead) + 1)
     lines: list[tuple[float, float, str]] = []  # (backlog, rate, worker) of the full workers
     for est in estimates:
         free = est.free_slots(now)
