@@ -713,6 +713,7 @@ class Reject:
     wait: float | None
     unreachable: bool = False
     idle: float | None = None  # the smallest idle TTFT, for the message
+    yielded: bool = False  # a retry refused while first attempts are (it could fit)
 
     @property
     def retry_after(self) -> int:

@@ -243,7 +243,7 @@ class DeadlineAdmission:
         if since < RETRY_YIELD_SECONDS:
             left = RETRY_YIELD_SECONDS - since
             wait = None if isinstance(decision, Dispatch) else decision.wait
-            return Reject(max(left, wait or 0.0)), preds
+            return Reject(max(left, wait or 0.0), yielded=True), preds
         return decision, preds
 
     def recheck(
@@ -268,13 +268,14 @@ class DeadlineAdmission:
 
     def probe(self, decision: Decision, preds: Sequence[Prediction], now: float) -> str | None:
         """The worker a rejected request goes to anyway, to measure it again: when it is
-        rejected although a worker has a slot free (no wait: only the measured prefill and
-        gateway delay, with their spread, are above the target), the free worker with the
-        smallest idle TTFT that has not had such a request for
-        :data:`PROBE_UNREACHABLE_SECONDS`; None: reject."""
-        if not isinstance(decision, Reject):
+        rejected although a worker has a slot free and no prompt to prefill before it (only
+        its measured prefill and gateway delay, with their spread, are above the target: a
+        cold start or a stall may be all there is to it), the free worker with the smallest
+        idle TTFT that has not had such a request for :data:`PROBE_UNREACHABLE_SECONDS`;
+        None: reject. A retry that yields its slot is never one."""
+        if not isinstance(decision, Reject) or decision.yielded:
             return None
-        idle = [p for p in preds if p.can_start and p.wait == 0]
+        idle = [p for p in preds if p.can_start and p.wait == 0 and p.ttft == p.idle]
         for p in sorted(idle, key=lambda p: p.idle):
             if now - self.probed_at.get(p.worker, -math.inf) >= PROBE_UNREACHABLE_SECONDS:
                 self.probed_at[p.worker] = now

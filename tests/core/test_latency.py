@@ -109,8 +109,9 @@ def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
     admission.ended("busy", worker, t + 0.2)  # the slot frees
     decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.2, t + 0.2)
     assert isinstance(decision, Dispatch)  # a first attempt takes the free slot
-    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.3, t + 0.3, retry=True)
+    decision, preds = admission.admit("m", [worker], 100, 1.0, t + 0.3, t + 0.3, retry=True)
     assert isinstance(decision, Reject)  # a retry does not, 0.3 s after the refusal
+    assert decision.yielded and admission.probe(decision, preds, t + 0.3) is None
     assert decision.wait == pytest.approx(0.7) and decision.retry_after_ms == 700
     assert admission.refused_at["m"] == t  # a refused retry does not extend the second
     decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.0, t + 1.0, retry=True)
