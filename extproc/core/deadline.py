@@ -21,17 +21,20 @@ router ahead of it::
 - ``slots``: ``request_total_slots`` when the engine reports it, no more than its KV cache
   runs at once (its blocks over the blocks a running request holds, averaged over the load
   reports with requests running: 640 blocks and 512-token prompts run about 17 requests,
-  not the 48 sequences an engine may be allowed), or, when it also reports requests waiting
-  while fewer run (vLLM short of KV cache), the number running (``request_active_slots``).
-  Without the KV bound, a worker whose cache had just drained its waiting requests counted
-  all its sequences free again, and the requests sent to them waited at the engine: on
-  simulated workers at the capacity at target, admitted requests spent a median 400 ms in
-  the worker against a 150 ms target. A worker that does not report its slots learns them from the
-  gateway's timings: they are the smallest occupancy at which a request the router sent to
-  a presumed free slot was seen queueing (its first byte came later than ``QUEUE_FACTOR`` x
-  its predicted prefill + ``QUEUE_MARGIN``), raised to the most requests seen running at
-  once (streaming together, or ``request_active_slots``); every ``PROBE_EVERY`` seconds one
-  request may go past them to find out whether the worker runs more. Before any request
+  not the 48 sequences an engine may be allowed). Without the KV bound, a worker whose
+  cache had just drained its waiting requests counted all its sequences free again, and the
+  requests sent to them waited at the engine: on simulated workers at the capacity at
+  target, admitted requests spent a median 400 ms in the worker against a 150 ms target.
+  Requests waiting are not taken to mean the worker is full: an engine also keeps waiting
+  the prompts its step's token budget cannot take yet, for one step. Only a worker that
+  reports no KV cache, and reports requests waiting while fewer than its slots run, is taken
+  to run no more than it runs now (``request_active_slots``). A worker that does not
+  report its slots learns them from the gateway's timings: they are the smallest occupancy
+  at which a request the router sent to a presumed free slot was seen queueing (its first
+  byte came later than ``QUEUE_FACTOR`` x its predicted prefill + ``QUEUE_MARGIN``), raised
+  to the most requests seen running at once (streaming together, or
+  ``request_active_slots``); every ``PROBE_EVERY`` seconds one request may go past them to
+  find out whether the worker runs more. Before any request
   queued, such a worker is never full, as the busy rule alone would have it. A worker that
   reports no slots and no waiting count is flagged ``gateway_only``: its prediction comes
   from the router's own timings alone.
@@ -393,13 +396,12 @@ class WorkerEstimate:
         requests waiting while fewer than its slots run (vLLM short of KV cache) runs no
         more than it runs now."""
         if self.total_slots is not None:
-            slots = self.total_slots
             kv = self.kv_slots()
             if kv is not None:
-                slots = min(slots, kv)
+                return min(self.total_slots, kv)
             if self.waiting and self.active is not None:
-                return max(1, min(slots, self.active))
-            return slots
+                return max(1, min(self.total_slots, self.active))
+            return self.total_slots
         if self.slots_guess is None:
             return None
         probe = 1 if now - self.guessed_at >= PROBE_EVERY else 0

@@ -671,7 +671,7 @@ def test_slots_are_bounded_by_what_the_kv_cache_runs_even_with_nobody_waiting() 
     est.load(waiting=0, active=16, total=48, kv_blocks=576, kv_total=640)
     assert est.kv_slots() == 17 and est.slots(t) == 17
     est.load(waiting=3, active=15, total=48, kv_blocks=570, kv_total=640)
-    assert est.slots(t) == 15  # some wait while fewer run: what it runs now
+    assert est.slots(t) == 17  # prompts waiting a step for the token budget: still 17
     est.load(waiting=0, active=17, total=48, kv_blocks=610, kv_total=640)
     assert est.slots(t) == 17  # drained: back to the KV bound, not to 48
     assert est.view(t)["kv_slots"] == 17
