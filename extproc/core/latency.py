@@ -50,11 +50,14 @@ GATEWAY_ONLY = "predicted from the gateway's timings alone"
 # with its spread, is above the target) still gets one request this often, so that the
 # measurement follows the worker: a cold start or a stall is not held against it for ever.
 PROBE_UNREACHABLE_SECONDS = 0.25
-# A retry (a client's attempt after an overload reply, as the OpenAI SDKs number theirs in
-# ``x-stainless-retry-count``) is answered at once while the deadline has refused a first
-# attempt of its model this recently: its user has already waited past the first answer and
-# the backoff, so a slot it takes is one a first attempt could still meet its target on.
-RETRY_YIELD_SECONDS = 1.0
+# A request yields (is answered at once) while the deadline has refused, this recently, a
+# first attempt of its model that goes before it: of a class of better priority, or, for a
+# retry (a client's attempt after an overload reply, as the OpenAI SDKs number theirs in
+# ``x-stainless-retry-count``), of its own priority too. A retry's user has already waited
+# past the first answer and the backoff, and a request of a lesser class gives way to a
+# better one: a slot it would take is one on which the request refused could have met its
+# target.
+YIELD_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -94,8 +97,9 @@ class DeadlineAdmission:
         self.met: dict[str, TargetMet] = {}
         # When each worker last got a request its target was unreachable for (a probe).
         self.probed_at: dict[str, float] = {}
-        # When the deadline last refused a first attempt of each model.
-        self.refused_at: dict[str, float] = {}
+        # When the deadline last refused a first attempt of each model, per class priority
+        # (0 without classes).
+        self.refused_at: dict[str, dict[int, float]] = {}
 
     # ----- targets -------------------------------------------------------------------
 
@@ -227,23 +231,28 @@ class DeadlineAdmission:
         arrived: float,
         now: float,
         retry: bool = False,
+        priority: int = 0,
     ) -> tuple[Decision, list[Prediction]]:
         """Dispatch, hold or reject one request (``candidates``: not empty, not busy by
         the thresholds); with the predictions it was decided on. ``retry``: the client says
-        this is a retry of a refused attempt: while a first attempt of the model was refused
-        within :data:`RETRY_YIELD_SECONDS`, it is refused too, with the wait that decision
-        gave or what is left of that second, whichever is longer."""
+        this is a retry of a refused attempt; ``priority``: its class's (lower goes first).
+        While a first attempt of the model that goes before it (a better priority, or the
+        same for a retry) was refused within :data:`YIELD_SECONDS`, it is refused too
+        (``yielded``), with the wait that decision gave or what is left of that second,
+        whichever is longer."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
         decision = decide(preds, target_s, now, arrived)
-        if not retry:
-            if type(decision) is Reject:
-                self.refused_at[model] = now
-            return decision, preds
-        since = now - self.refused_at.get(model, -math.inf)
-        if since < RETRY_YIELD_SECONDS:
-            left = RETRY_YIELD_SECONDS - since
+        refused = self.refused_at.setdefault(model, {})
+        before = max(
+            (t for q, t in refused.items() if q < priority or (retry and q == priority)),
+            default=-math.inf,
+        )
+        since = now - before
+        if since < YIELD_SECONDS:
             wait = None if isinstance(decision, Dispatch) else decision.wait
-            return Reject(max(left, wait or 0.0), yielded=True), preds
+            return Reject(max(YIELD_SECONDS - since, wait or 0.0), yielded=True), preds
+        if not retry and type(decision) is Reject:
+            refused[priority] = now
         return decision, preds
 
     def recheck(

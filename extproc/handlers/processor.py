@@ -582,7 +582,14 @@ class ExtProcHandler:
         if not candidates:  # every worker busy by the thresholds: today's answer
             return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
         decision, preds = self.admission.admit(
-            model, candidates, st.prompt_tokens, target_s, st.arrived, now, st.retry
+            model,
+            candidates,
+            st.prompt_tokens,
+            target_s,
+            st.arrived,
+            now,
+            st.retry,
+            st.request_class.priority if st.request_class is not None else 0,
         )
         best = min((p.ttft for p in preds if p.ttft is not None), default=None)
         if best is not None:

@@ -113,9 +113,42 @@ def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
     assert isinstance(decision, Reject)  # a retry does not, 0.3 s after the refusal
     assert decision.yielded and admission.probe(decision, preds, t + 0.3) is None
     assert decision.wait == pytest.approx(0.7) and decision.retry_after_ms == 700
-    assert admission.refused_at["m"] == t  # a refused retry does not extend the second
+    assert admission.refused_at["m"] == {0: t}  # a refused retry does not extend it
     decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.0, t + 1.0, retry=True)
     assert isinstance(decision, Dispatch)  # a second later: decided like any request
+
+
+def test_a_lesser_class_yields_while_a_better_one_is_refused() -> None:
+    """Priorities 0 (critical) and 2 (sheddable): while a critical first attempt was refused
+    within the last second, a sheddable one is refused although a slot is free; not the
+    other way round."""
+    pool, admission = make()
+    pool.announce("w", model="m", endpoint="127.0.0.1:1")
+    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
+    admission.load(pool.workers["w"])
+    worker = pool.workers["w"]
+    t = 0.0
+    for i in range(6):  # 0.1 s to the first byte, 1 s a request
+        admission.dispatched(i, worker, 100, t, t)
+        admission.first_byte(i, worker, t + 0.1)
+        admission.ended(i, worker, t + 1.0, 10)
+        t += 1.0
+    admission.dispatched("busy", worker, 100, t, t)
+    decision, _ = admission.admit("m", [worker], 100, 0.5, t, t, priority=2)
+    assert isinstance(decision, Reject) and not decision.yielded  # sheddable: no room
+    admission.ended("busy", worker, t + 0.1)
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.2, t + 0.2, priority=0)
+    assert isinstance(decision, Dispatch)  # a sheddable refusal holds critical back not
+    admission.dispatched("crit", worker, 100, t + 0.2, t + 0.2)
+    decision, _ = admission.admit("m", [worker], 100, 0.5, t + 0.3, t + 0.3, priority=0)
+    assert isinstance(decision, Reject) and not decision.yielded  # critical: no room
+    admission.ended("crit", worker, t + 0.4)
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.5, t + 0.5, priority=2)
+    assert isinstance(decision, Reject) and decision.yielded  # sheddable gives way
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.5, t + 0.5, priority=1)
+    assert isinstance(decision, Reject) and decision.yielded  # so does standard
+    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.4, t + 1.4, priority=2)
+    assert isinstance(decision, Dispatch)  # a second later, room for it again
 
 
 def test_the_share_met_and_the_models_with_a_target() -> None:
