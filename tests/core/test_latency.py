@@ -118,10 +118,9 @@ def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
     assert isinstance(decision, Dispatch)  # a second later: decided like any request
 
 
-def test_a_lesser_class_yields_while_a_better_one_is_refused() -> None:
-    """Priorities 0 (critical) and 2 (sheddable): while a critical first attempt was refused
-    within the last second, a sheddable one is refused although a slot is free; not the
-    other way round."""
+def test_a_retry_yields_to_its_class_and_better_ones_not_to_lesser_ones() -> None:
+    """Priorities 0 (critical) and 2 (sheddable): a sheddable first attempt refused makes a
+    sheddable retry yield, not a critical retry; a lesser class's first attempt never yields."""
     pool, admission = make()
     pool.announce("w", model="m", endpoint="127.0.0.1:1")
     pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
@@ -137,18 +136,17 @@ def test_a_lesser_class_yields_while_a_better_one_is_refused() -> None:
     decision, _ = admission.admit("m", [worker], 100, 0.5, t, t, priority=2)
     assert isinstance(decision, Reject) and not decision.yielded  # sheddable: no room
     admission.ended("busy", worker, t + 0.1)
-    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.2, t + 0.2, priority=0)
-    assert isinstance(decision, Dispatch)  # a sheddable refusal holds critical back not
-    admission.dispatched("crit", worker, 100, t + 0.2, t + 0.2)
+    now = t + 0.2
+    decision, _ = admission.admit("m", [worker], 100, 1.0, now, now, retry=True, priority=0)
+    assert isinstance(decision, Dispatch)  # a sheddable refusal holds no critical retry back
+    decision, _ = admission.admit("m", [worker], 100, 1.0, now, now, retry=True, priority=2)
+    assert isinstance(decision, Reject) and decision.yielded
+    admission.dispatched("crit", worker, 100, now, now)
     decision, _ = admission.admit("m", [worker], 100, 0.5, t + 0.3, t + 0.3, priority=0)
     assert isinstance(decision, Reject) and not decision.yielded  # critical: no room
     admission.ended("crit", worker, t + 0.4)
     decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.5, t + 0.5, priority=2)
-    assert isinstance(decision, Reject) and decision.yielded  # sheddable gives way
-    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 0.5, t + 0.5, priority=1)
-    assert isinstance(decision, Reject) and decision.yielded  # so does standard
-    decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.4, t + 1.4, priority=2)
-    assert isinstance(decision, Dispatch)  # a second later, room for it again
+    assert isinstance(decision, Dispatch)  # a first attempt of a lesser class: decided
 
 
 def test_the_share_met_and_the_models_with_a_target() -> None:
