@@ -60,11 +60,16 @@ def learn(handler: ExtProcHandler, clock: Clock, wid: str, n: int = 8, scale: fl
         admission.ended(key, worker, clock.t, 10)
 
 
-def send(handler: ExtProcHandler, request_id: str = "r") -> tuple[RequestSession, Any]:
-    """A streamed chat request decided on its headers: its session and raw reply."""
+def send(
+    handler: ExtProcHandler, request_id: str = "r", retry_count: int | None = None
+) -> tuple[RequestSession, Any]:
+    """A streamed chat request decided on its headers: its session and raw reply;
+    ``retry_count``: the OpenAI SDKs' ``x-stainless-retry-count``."""
     session = handler.open_session({})
     assert isinstance(session, RequestSession)
     extra = {"content-length": str(PROMPT_BYTES), "x-request-id": request_id}
+    if retry_count is not None:
+        extra["x-stainless-retry-count"] = str(retry_count)
     return session, session.receive(headers(CHAT, read="m", extra=extra))
 
 
@@ -101,6 +106,25 @@ def test_a_request_that_fits_goes_to_the_worker_with_the_smallest_prediction() -
     assert destination(parsed(raw2)) != picked
     assert counter(handler, "extproc_decisions_total", outcome="routed") == 2
     assert counter(handler, "extproc_predicted_ttft_seconds_count", model="m") == 2
+
+
+def test_an_sdk_retry_yields_the_free_slot_while_first_attempts_are_refused() -> None:
+    """Numbered 1 by the OpenAI SDK's header, a retry that finds a slot free is refused
+    within a second of a first attempt's refusal; numbered 0, or a second later, it is
+    routed."""
+    handler, clock = make(target_ms=500.0)
+    learn(handler, clock, "a")
+    first, _ = send(handler, "r1")  # takes the only slot
+    _, raw = send(handler, "r2")  # a first attempt that would wait: refused
+    assert local(parsed(raw))[0] == 529
+    finish(first)  # the slot frees
+    clock.t += 0.2
+    _, raw = send(handler, "r2-retry", retry_count=1)
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and hdrs["x-shed-reason"] == "deadline"
+    assert 800 <= int(hdrs["retry-after-ms"]) <= 1000  # what is left of the second, at least
+    _, raw = send(handler, "r3", retry_count=0)  # a first attempt takes the free slot
+    assert destination(parsed(raw)) == "127.0.0.1:1"
 
 
 def test_a_request_that_would_wait_past_the_target_is_rejected_at_once() -> None:
