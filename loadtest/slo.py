@@ -688,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "loadtest.slo", *(argv or sys.argv[1:])])
     started = time.monotonic()
     before = load_average()
+    code = code_version()  # what runs: the checkout at the start
     classes: ClassesRun | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="slo-") as tmp:
@@ -738,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         splits=got.splits,
         seconds=time.monotonic() - started,
         load_average={"before": before, "after": load_average()},
-        code=code_version(),
+        code=code,
     )
     write_results(out, file_prefix(cfg), results, markdown(results), plot)
     return 0
