@@ -134,7 +134,9 @@ QUOTING = {
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
     "worker.md": {("rows", "kv-lag-results.md"), ("lines", "kv-lag-results.md")},
     "latency-target.md": {("slo goodput per phase", "slo-results.json"),
-                          ("lines", "slo-results.md"),
+                          ("lines", "slo-results.md"), ("rows", "slo-results.md"),
+                          ("slo goodput per phase", "slo-vllm-results.json"),
+                          ("lines", "slo-vllm-results.md"),
                           ("slo goodput per phase", "slo-llamacpp-results.json"),
                           ("lines", "slo-llamacpp-results.md")},
 }  # fmt: skip
