@@ -10,6 +10,7 @@ from extproc.core.classes import ClassRegistry, parse_table
 from extproc.core.deadline import Dispatch, Hold, Reject
 from extproc.core.latency import GATEWAY_ONLY, DeadlineAdmission
 from extproc.core.pool import WorkerPool
+from extproc.core.worker import Worker
 
 
 class Clock:
@@ -66,18 +67,25 @@ def test_a_worker_with_no_queue_fields_is_shown_as_predicted_from_the_gateway() 
     assert view["held_requests"] == 0 and view["target_unreachable"] is False
 
 
-def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
+def one_slot_measured() -> tuple[DeadlineAdmission, Worker, float]:
+    """One worker "w" of model "m" with one slot, measured on 6 requests one at a time:
+    0.1 s to the first byte, 1 s each. Returns the admission, the worker and the time after."""
     pool, admission = make()
     pool.announce("w", model="m", endpoint="127.0.0.1:1")
     pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
     admission.load(pool.workers["w"])
     worker = pool.workers["w"]
     t = 0.0
-    for i in range(6):  # 0.1 s to the first byte, 1 s a request
+    for i in range(6):
         admission.dispatched(i, worker, 100, t, t)
         admission.first_byte(i, worker, t + 0.1)
         admission.ended(i, worker, t + 1.0, 10)
         t += 1.0
+    return admission, worker, t
+
+
+def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
+    admission, worker, t = one_slot_measured()
     decision, _ = admission.admit("m", [worker], 100, 1.0, t, t)
     assert isinstance(decision, Dispatch)
     admission.dispatched("busy", worker, 100, t, t)
@@ -90,17 +98,7 @@ def test_decide_dispatches_holds_and_rejects_on_the_measured_worker() -> None:
 def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
     """A retry (the client says so) is refused while the deadline refused a first attempt
     of its model within the last second; before that and after it, it is decided alike."""
-    pool, admission = make()
-    pool.announce("w", model="m", endpoint="127.0.0.1:1")
-    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
-    admission.load(pool.workers["w"])
-    worker = pool.workers["w"]
-    t = 0.0
-    for i in range(6):  # 0.1 s to the first byte, 1 s a request
-        admission.dispatched(i, worker, 100, t, t)
-        admission.first_byte(i, worker, t + 0.1)
-        admission.ended(i, worker, t + 1.0, 10)
-        t += 1.0
+    admission, worker, t = one_slot_measured()
     decision, _ = admission.admit("m", [worker], 100, 1.0, t, t, retry=True)
     assert isinstance(decision, Dispatch)  # nothing refused yet: a retry is a request
     admission.dispatched("busy", worker, 100, t, t)
@@ -121,17 +119,7 @@ def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
 def test_a_retry_yields_to_its_class_and_better_ones_not_to_lesser_ones() -> None:
     """Priorities 0 (critical) and 2 (sheddable): a sheddable first attempt refused makes a
     sheddable retry yield, not a critical retry; a lesser class's first attempt never yields."""
-    pool, admission = make()
-    pool.announce("w", model="m", endpoint="127.0.0.1:1")
-    pool.report_load("w", num_requests_waiting=0, request_active_slots=0, request_total_slots=1)
-    admission.load(pool.workers["w"])
-    worker = pool.workers["w"]
-    t = 0.0
-    for i in range(6):  # 0.1 s to the first byte, 1 s a request
-        admission.dispatched(i, worker, 100, t, t)
-        admission.first_byte(i, worker, t + 0.1)
-        admission.ended(i, worker, t + 1.0, 10)
-        t += 1.0
+    admission, worker, t = one_slot_measured()
     admission.dispatched("busy", worker, 100, t, t)
     decision, _ = admission.admit("m", [worker], 100, 0.5, t, t, priority=2)
     assert isinstance(decision, Reject) and not decision.yielded  # sheddable: no room
