@@ -256,7 +256,9 @@ async def find_capacity(
         f"of {opts.capacity_seconds:g} s of Poisson arrivals without retries (longer at a "
         f"low rate, for 35 requests after the warm-up, at most 4 x as long), judged on those "
         f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
-        f"their TTFT p99 within target); at most {opts.capacity_probes} probes"
+        f"their TTFT p99 within target); the rate found probed again, with other "
+        f"arrivals, until it held twice (one that does not hold becomes the upper bound and "
+        f"the search goes on below it); at most {opts.capacity_probes} probes"
     )
     if cfg.capacity:
         return cfg.capacity, [], "given with --capacity"
@@ -472,7 +474,7 @@ ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "slow_for": 10.0, "shipped": "0.9:0.4",
         "sweep": "0.5:0.25,0.7:0.25,0.7:0.4,1:0.4,1:0.8", "sweep_phases": "3:10,10:8",
         "unloaded_probes": 101, "capacity_start": 4.0, "capacity_seconds": 16.0,
-        "capacity_warmup": 4.0, "capacity_probes": 8, "classes_seconds": 30.0,
+        "capacity_warmup": 4.0, "capacity_probes": 10, "classes_seconds": 30.0,
     },
     LLAMACPP: {
         "kv_total_blocks": 64, "block_size": 16, "max_num_seqs": 2,
@@ -480,7 +482,7 @@ ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_tokens": 32, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
         "slow_for": 20.0, "shipped": "0.2:0.03125", "sweep": "0.1:0.03125,0.3:0.0625",
         "sweep_phases": "3:20,10:15", "unloaded_probes": 41, "capacity_start": 0.5,
-        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 7,
+        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 9,
         "classes_seconds": 60.0,
     },
     VLLM: {
@@ -491,7 +493,7 @@ ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_tokens": 64, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
         "slow_for": 20.0, "shipped": "0.5:0.03125", "sweep": "0.3:0.03125,0.8:0.0625",
         "sweep_phases": "3:20,10:15", "unloaded_probes": 41, "capacity_start": 0.5,
-        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 7,
+        "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 9,
         "classes_seconds": 60.0,
     },
 }  # fmt: skip
