@@ -814,4 +814,6 @@ def measure(args: argparse.Namespace, config: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from loadtest import run_stoppable
+
+    sys.exit(run_stoppable(main))

@@ -492,4 +492,6 @@ def render(data: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from loadtest import run_stoppable
+
+    sys.exit(run_stoppable(main))

@@ -230,4 +230,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from loadtest import run_stoppable
+
+    sys.exit(run_stoppable(main))
