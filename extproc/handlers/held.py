@@ -9,11 +9,12 @@ request's deadline or the periodic re-decision (a timer per model). A pump
 1. answers the requests past their deadline with the deadline reply;
 2. decides the requests whose target was removed by the plain rule (the thresholds);
 3. gives every free slot a held request, earliest deadline first: a worker is free for a
-   held request when the thresholds leave it free for the request's class and it has a
-   slot free (its :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that
-   never showed a limit always has one), and the request fits there: it was held for that
-   worker, or the worker's idle TTFT (prefill and gateway delay) still ends before its
-   deadline. So no slot sits idle while a request that fits waits;
+   held request when it is in the request's endpoint subset (when a gateway named one), the
+   thresholds leave it free for the request's class and it has a slot free (its
+   :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that never showed a
+   limit always has one), and the request fits there: it was held for that worker, or the
+   worker's idle TTFT (prefill and gateway delay) still ends before its deadline. So no
+   slot sits idle while a request that fits waits;
 4. decides every request still held again with the prediction of now, behind the held
    requests before it (:meth:`~extproc.core.latency.DeadlineAdmission.recheck`): one whose
    mean predicted TTFT no longer fits what is left of its target on any worker gets the
@@ -74,6 +75,10 @@ class Waiter:
     arrived: float
     since: float
     future: asyncio.Future[Any] = field(repr=False)
+    only: frozenset[str] | None = None  # the workers it may go to (a gateway's subset)
+
+    def may_use(self, worker: Worker) -> bool:
+        return self.only is None or worker.worker_id in self.only
 
 
 # What the processor supplies: send the request to a worker (its routing reply), answer it
@@ -117,17 +122,19 @@ class HeldRequests:
         variant: int,
         class_name: str,
         arrived: float,
+        only: frozenset[str] | None = None,
     ) -> tuple[asyncio.Future[Any], float]:
         """Hold request ``key`` (its deadline capped at :data:`HOLD_MAX_SECONDS` from now);
         returns the future its reply (or the plain rule's decision) is set on, and how
-        long Envoy must wait for it (s)."""
+        long Envoy must wait for it (s). ``only``: the ids of the workers it may go to (a
+        gateway's endpoint subset); None: any of its model's."""
         now = self.pool.clock()
         deadline = min(decision.deadline, now + HOLD_MAX_SECONDS)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.admission.queue(model).push(key, deadline, now, decision.workers or None)
         self.waiters[key] = Waiter(
-            key, model, prompt_tokens, variant, class_name, arrived, now, future
+            key, model, prompt_tokens, variant, class_name, arrived, now, future, only
         )
         self._arm(model)
         return future, deadline - now
@@ -209,7 +216,9 @@ class HeldRequests:
             w = self.waiters[h.key]
             for worker in workers:
                 wid = worker.worker_id
-                if free.get(wid, 0) <= 0 or not is_free(worker, w.variant, now):
+                if free.get(wid, 0) <= 0 or not w.may_use(worker):
+                    continue
+                if not is_free(worker, w.variant, now):
                     continue
                 if not h.fits(wid):
                     idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
@@ -236,7 +245,7 @@ class HeldRequests:
             target = admission.target_s(model, w.class_name) if w is not None else None
             if w is None or target is None:
                 continue
-            candidates = [wk for wk in workers if is_free(wk, w.variant, now)]
+            candidates = [wk for wk in workers if w.may_use(wk) and is_free(wk, w.variant, now)]
             if not candidates:
                 continue  # busy by the thresholds: its deadline answers it
             reply = admission.recheck(candidates, w.prompt_tokens, target, w.arrived, now, ahead)
@@ -250,7 +259,7 @@ class HeldRequests:
         workers = [
             wk
             for wk in self.pool.by_model.get(w.model, ())
-            if wk.configured and is_free(wk, w.variant, now)
+            if wk.configured and w.may_use(wk) and is_free(wk, w.variant, now)
         ]
         target = self.admission.target_s(w.model, w.class_name)
         if not workers or target is None:

@@ -127,6 +127,7 @@ class _Stream:
     request's life is its ``routed``."""
 
     __slots__ = (
+        "addresses",
         "arrived",
         "body_streamed",
         "duplex_body",
@@ -166,8 +167,10 @@ class _Stream:
         self.request_id: str | None = None
         self.retry = False  # the client numbers this attempt as a retry
         self.stream = False  # the body asked for a streamed response
-        # The gateway's endpoint subset (Endpoint Picker protocol): None = not given.
+        # The gateway's endpoint subset (Endpoint Picker protocol): None = not given; under
+        # deadline admission, its workers and the address the gateway named for each.
         self.subset: tuple[str, ...] | None = None
+        self.addresses: Mapping[Worker, str] | None = None
         self.variant = 0
         # The routed request, from its dispatch to the end of this stream.
         self.routed: InFlight | None = None
@@ -530,7 +533,7 @@ class ExtProcHandler:
         if st.request_class is not None and self._classes is not None:
             st.variant = self._classes.variant(st.request_class, prompt_tokens)
         admission = self.admission
-        if admission is not None and st.subset is None:
+        if admission is not None:
             cls = st.request_class
             st.target_s = admission.target_s(model, cls.name if cls is not None else "")
             if st.target_s is not None:
@@ -569,18 +572,32 @@ class ExtProcHandler:
 
     def _decide_by_deadline(self, st: _Stream, target_s: float) -> Reply:
         """Dispatch, hold or reject a request with a TTFT target: the candidates are the
-        workers the thresholds leave free (ceilings); none: the plain overload reply."""
+        workers the thresholds leave free (ceilings), within the gateway's endpoint subset
+        when it names one; none: the plain rule's answer."""
         assert self.admission is not None and self.held is not None
         pool = self.pool
         model = st.model
-        workers = pool.by_model.get(model)
-        if not workers:
-            return self._reply(st, MODEL_NOT_FOUND if pool.by_model else NO_WORKERS)
+        subset = st.subset
+        if subset is None:
+            workers = pool.by_model.get(model)
+            if not workers:
+                return self._reply(st, MODEL_NOT_FOUND if pool.by_model else NO_WORKERS)
+        else:
+            if not subset:
+                return self._reply(st, NO_WORKERS)
+            if model not in pool.by_model and pool.by_model:
+                return self._reply(st, MODEL_NOT_FOUND)
+            st.addresses = self.scheduler.gateway.members(model, subset)
+            workers = list(st.addresses)
+            if not workers:
+                return self._reply(st, NO_WORKERS)
         now = pool.clock()
         variant = st.variant
         candidates = [w for w in workers if is_free(w, variant, now)]
         if not candidates:  # every worker busy by the thresholds: today's answer
-            return self._reply(st, self.scheduler.decide(model, st.prompt_tokens, variant))
+            return self._reply(
+                st, self.scheduler.decide(model, st.prompt_tokens, variant, subset=subset)
+            )
         decision, preds = self.admission.admit(
             model,
             candidates,
@@ -612,6 +629,7 @@ class ExtProcHandler:
                 variant=variant,
                 class_name=cls.name if cls is not None else "",
                 arrived=st.arrived,
+                only=None if subset is None else frozenset(w.worker_id for w in workers),
             )
             extension = self.replies.extension(extension_seconds(wait))
             return extension, self._wait_held(st, future)
@@ -628,17 +646,24 @@ class ExtProcHandler:
         rank = _free_rank(worker, variant)
         ticket = self.pool.dispatch(worker, rank, st.prompt_tokens)
         now = self.pool.clock()
+        addresses = st.addresses  # the gateway's subset: its workers, at its addresses
+
+        def endpoint(w: Worker) -> str:
+            return w.endpoint if addresses is None else addresses.get(w, w.endpoint)
+
+        pool_workers = self.pool.by_model.get(st.model, ()) if addresses is None else addresses
         others = [
             w
-            for w in self.pool.by_model.get(st.model, ())
-            if w is not worker and is_free(w, variant, now) and w.endpoint != worker.endpoint
+            for w in pool_workers
+            if w is not worker and is_free(w, variant, now) and endpoint(w) != endpoint(worker)
         ]
         if preds is not None:
             order = {p.worker: (p.ttft if p.ttft is not None else float("inf")) for p in preds}
             others.sort(key=lambda w: order.get(w.worker_id, float("inf")))
         limit = self.scheduler.max_fallbacks
-        fallbacks = tuple(dict.fromkeys(w.endpoint for w in others))[: max(0, limit)]
-        reply = self._reply(st, Routed(ticket, fallbacks))
+        fallbacks = tuple(dict.fromkeys(endpoint(w) for w in others))[: max(0, limit)]
+        routed = Routed(ticket, fallbacks, "" if addresses is None else endpoint(worker))
+        reply = self._reply(st, routed)
         mine = next((p for p in preds if p.worker == worker.worker_id), None) if preds else None
         if mine is None or mine.ttft is None:
             return reply
@@ -687,7 +712,9 @@ class ExtProcHandler:
         st.target_s = None
         queue = self.queue
         waiting = queue is not None and queue.waiting(st.model)
-        decision = self.scheduler.decide(st.model, st.prompt_tokens, st.variant, waiting=waiting)
+        decision = self.scheduler.decide(
+            st.model, st.prompt_tokens, st.variant, waiting=waiting, subset=st.subset
+        )
         if type(decision) is Queued:
             return QUEUED if queue is not None else self._reply(st, decision)
         return self._reply(st, decision)
