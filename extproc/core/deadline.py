@@ -88,16 +88,17 @@ The engine's own TTFT histogram (when it reports one) includes its queue, so it 
 prefill measurement; it is kept for diagnostics beside the prediction.
 
 The decision (:func:`decide`) judges each prediction with its spread added, since the target
-is a p99: the wait for ``n`` completions is about Gamma(n, rate), whose 90th percentile is
-near ``(n + WAIT_Z x sqrt(n)) / rate``, and the prefill fit is off by up to ``PREFILL_MARGIN``
-mean absolute residuals. Among the workers that can start the request now, the one with the
-smallest predicted TTFT that fits gets it (a slot never sits idle while a request that fits
-waits); otherwise, if the smallest prediction of all fits, the request is held in the router
-until a slot frees on one of the workers it fits on even if the slot comes at the wait's
-upper bound (earliest deadline first, ``core/held.py``), its deadline the latest dispatch
-that leaves room for its prefill and the gateway on the slowest of them; otherwise it is
-rejected at once,
-with Retry-After and retry-after-ms from the smallest predicted wait.
+is a p99 (a ``lenient`` decision, for the best of several request classes, judges the mean
+alone: such a request is admitted when more likely than not to meet its target): the wait
+for ``n`` completions is about Gamma(n, rate), whose 90th percentile is near ``(n + WAIT_Z x
+sqrt(n)) / rate``, and the prefill fit is off by up to ``PREFILL_MARGIN`` mean absolute
+residuals. Among the workers that can start the request now, the one with the smallest
+predicted TTFT that fits gets it (a slot never sits idle while a request that fits waits);
+otherwise, if the smallest prediction of all fits, the request is held in the router until a
+slot frees on one of the workers it fits on even if the slot comes at the wait's upper bound
+(earliest deadline first, ``core/held.py``), its deadline the latest dispatch that leaves
+room for its prefill and the gateway on the slowest of them; otherwise it is rejected at
+once, with Retry-After and retry-after-ms from the smallest predicted wait.
 
 A held request is decided again whenever the held queue is pumped (a stream's end, a load
 report, a deadline, and a periodic tick while any is held) with the prediction of that moment,
@@ -741,16 +742,21 @@ def decide(
     target_s: float,
     now: float,
     arrived: float | None = None,
+    lenient: bool = False,
 ) -> Decision:
     """Dispatch, hold or reject one request against its TTFT target (the module's rule).
 
     ``predictions``: one per candidate worker (not busy by the thresholds, which stay
     ceilings); ``arrived``: when the request reached the router (default ``now``), from
-    which its deadline counts. Ties go to the first candidate."""
+    which its deadline counts; ``lenient``: judged on the mean prediction, without its
+    spread (a request of the best class, when lesser ones share the pool). Ties go to the
+    first candidate."""
     if not predictions:
         raise ValueError("predictions: empty; expected at least one candidate worker")
     if not target_s > 0:
         raise ValueError(f"target_s: {target_s!r}; expected a number > 0")
+    if lenient:
+        predictions = [replace(p, wait_spread=0.0, prefill_spread=0.0) for p in predictions]
     start = now if arrived is None else arrived
     left = target_s - (now - start)  # what remains of the target
     fits = [p for p in predictions if p.ttft is not None and p.ttft + p.spread <= left]

@@ -241,7 +241,7 @@ class DeadlineAdmission:
         within :data:`YIELD_SECONDS`, a retry is refused too (``yielded``), with the wait
         that decision gave or what is left of that second, whichever is longer."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
-        decision = decide(preds, target_s, now, arrived)
+        decision = decide(preds, target_s, now, arrived, lenient=self.best_class(priority))
         refused = self.refused_at.setdefault(model, {})
         before = max(
             (t for q, t in refused.items() if retry and q <= priority),
@@ -254,6 +254,16 @@ class DeadlineAdmission:
         if not retry and type(decision) is Reject:
             refused[priority] = now
         return decision, preds
+
+    def best_class(self, priority: int) -> bool:
+        """Whether ``priority`` is the best of the classes when lesser ones are configured:
+        its requests are judged on their mean predicted TTFT, not its 90th percentile (a
+        request more likely than not to meet its target is admitted)."""
+        classes = self.classes
+        if classes is None:
+            return False
+        priorities = {c.priority for c in classes.table.classes}
+        return len(priorities) > 1 and priority == min(priorities)
 
     def recheck(
         self,

@@ -861,3 +861,13 @@ def test_a_rejection_with_a_slot_free_says_to_come_back_once_the_work_ahead_drai
     q = replace(p, ttft=1.3, wait=1.1, prefill=0.15, can_start=False)
     d = decide([q], 0.5, 10.0)
     assert isinstance(d, Reject) and (d.retry_after, d.retry_after_ms) == (2, 1100)
+
+
+def test_lenient_is_judged_on_the_mean_without_the_spread() -> None:
+    free = [pred(ttft=0.9, spread=0.2)]
+    assert isinstance(decide(free, 1.0, 0.0), Reject)  # 0.9 + 0.2 > 1
+    assert isinstance(decide(free, 1.0, 0.0, lenient=True), Dispatch)
+    full = [pred(ttft=0.9, wait=0.8, can_start=False, spread=0.5)]
+    assert isinstance(decide(full, 1.0, 0.0), Reject)
+    held = decide(full, 1.0, 0.0, lenient=True)
+    assert isinstance(held, Hold) and held.deadline == pytest.approx(1.0 - 0.1)

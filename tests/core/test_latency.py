@@ -137,6 +137,36 @@ def test_a_retry_yields_to_its_class_and_better_ones_not_to_lesser_ones() -> Non
     assert isinstance(decision, Dispatch)  # a first attempt of a lesser class: decided
 
 
+def test_the_best_class_is_judged_on_its_mean_prediction_the_others_on_the_spread() -> None:
+    """One slot, busy: the next completion is 1 s away on average (its 90th percentile about
+    2.3 s). Against a 1.5 s target a critical request (the best of several priorities) is
+    held, more likely than not to be served in time; a standard one is rejected. Without
+    lesser classes, or without classes, nobody is judged leniently."""
+    admission, worker, t = one_slot_measured()
+    admission.dispatched("busy", worker, 100, t, t)
+    admission.classes = ClassRegistry(
+        parse_table(
+            {
+                "default": "standard",
+                "classes": {"critical": {"priority": 0}, "standard": {"priority": 1}},
+            }
+        ),
+        admission.pool,
+    )
+    assert admission.best_class(0) and not admission.best_class(1)
+    decision, _ = admission.admit("m", [worker], 100, 1.5, t, t, priority=0)
+    assert isinstance(decision, Hold)
+    decision, _ = admission.admit("m", [worker], 100, 1.5, t, t, priority=1)
+    assert isinstance(decision, Reject)
+    one = parse_table({"default": "standard", "classes": {"standard": {"priority": 0}}})
+    admission.classes = ClassRegistry(one, admission.pool)
+    assert not admission.best_class(0)
+    admission.classes = None
+    assert not admission.best_class(0)
+    decision, _ = admission.admit("m", [worker], 100, 1.5, t, t)
+    assert isinstance(decision, Reject)
+
+
 def test_the_share_met_and_the_models_with_a_target() -> None:
     pool, admission = make(500.0)
     pool.announce("w", model="m", endpoint="127.0.0.1:1")
