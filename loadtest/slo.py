@@ -56,6 +56,8 @@ import aiohttp
 from extproc.devstack import ROOT, Extproc, http, wait_until
 from loadtest.shedbench.arrivals import open_loop
 from loadtest.shedbench.capacity import (
+    MIN_JUDGED,
+    PROBE_STRETCH,
     RateProbe,
     judge_probe,
     measure_unloaded,
@@ -254,7 +256,8 @@ async def find_capacity(
         f"from {opts.capacity_start:g} req/s doubling while the target holds, halving while "
         f"it does not (down to 1/8 of it), then bisecting to within 10 %; each rate one probe "
         f"of {opts.capacity_seconds:g} s of Poisson arrivals without retries (longer at a "
-        f"low rate, for 35 requests after the warm-up, at most 4 x as long), judged on those "
+        f"low rate, for 35 requests after the warm-up, at most {PROBE_STRETCH} x as long), "
+        f"judged on those "
         f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
         f"their TTFT p99 within target); the rate found probed again, with other "
         f"arrivals, until it held twice (one that does not hold becomes the upper bound and "
@@ -278,10 +281,18 @@ async def find_capacity(
 
     capacity, probes = await search_capacity(probe, opts.capacity_start, opts.capacity_probes)
     if capacity <= 0:
+        short = [p for p in probes if p.requests < MIN_JUDGED and p.ttft_p99_ms <= target_ms]
+        why = (
+            f"; at {', '.join(f'{p.rate:.3g}' for p in short)} req/s the p99 was within it "
+            f"but fewer than {MIN_JUDGED} requests were judged: give a longer "
+            "--capacity-seconds"
+            if short
+            else ""
+        )
         raise BenchmarkError(
             f"no Poisson rate down to {probes[-1].rate:.3g} req/s held a TTFT p99 of "
             f"{target_ms:g} ms with thresholds off (the lowest measured p99: "
-            f"{min(p.ttft_p99_ms for p in probes):.0f} ms); give a --target-ms the idle "
+            f"{min(p.ttft_p99_ms for p in probes):.0f} ms){why}; give a --target-ms the idle "
             "workers can meet, or a --capacity"
         )
     return capacity, probes, how

@@ -91,6 +91,7 @@ class RateProbe:
 
 
 MIN_JUDGED = 20  # fewer requests in a probe: its p99 says nothing
+PROBE_STRETCH = 10  # a probe at a low rate runs at most this many times its set length
 
 
 async def search_capacity(
@@ -144,8 +145,11 @@ def probe_seconds(rate: float, seconds: float, warmup: float) -> float:
     """How long a probe at ``rate`` runs: ``seconds``, or long enough to expect 1.75 x
     :data:`MIN_JUDGED` requests after the warm-up at a low rate (a Poisson count of 35 falls
     under 20 about once in 400 probes; at 25 a 40-s probe on llama.cpp judged 17), at most
-    4 x ``seconds``."""
-    return min(4 * seconds, max(seconds, warmup + 1.75 * MIN_JUDGED / rate))
+    :data:`PROBE_STRETCH` x ``seconds``. With at most 4 x, vLLM's probe at 0.125 req/s ran
+    160 s and judged 19 requests, under 20: it did not hold for want of requests though its
+    p99 was half the target, the search went lower, where fewer still were judged, and no
+    rate held at all."""
+    return min(PROBE_STRETCH * seconds, max(seconds, warmup + 1.75 * MIN_JUDGED / rate))
 
 
 def judge_probe(rate: float, outcomes: list[Outcome], warmup: float, target_ms: float) -> RateProbe:
