@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +33,9 @@ from extproc.devstack import (
     metric_value,
     wait_until,
 )
+from tests.integration.test_latency_target import LONG, SHORT, Result
+from tests.integration.test_latency_target import request as completion
 from tests.support.envoy_wirings import gateway_subset_hint
-
-LONG = {"model": "m", "prompt": "x" * 400, "max_tokens": 100, "stream": True}  # ~2 s
-SHORT = {"model": "m", "prompt": "x" * 400, "max_tokens": 2, "stream": True}
 
 
 @dataclass
@@ -92,33 +90,13 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
         ext.stop()
 
 
-@dataclass
-class Result:
-    status: int
-    headers: dict[str, str]
-    first_byte: float  # s after sending
-    done: float
-
-
 async def request(
     session: aiohttp.ClientSession, gw: Gateway, body: dict[str, Any], *names: str
 ) -> Result:
     """``body`` with the subset hint naming the addresses of ``names``."""
     subset = ",".join(gw.address(n) for n in names)
     headers = {"x-test-subset": subset, "x-test-subset-kind": "string"}
-    start = time.monotonic()
-    url = gw.envoy.url + "/v1/completions"
-    async with session.post(url, json=body, headers=headers) as resp:
-        first = None
-        async for _ in resp.content.iter_any():
-            if first is None:
-                first = time.monotonic() - start
-        return Result(
-            resp.status,
-            {k.lower(): v for k, v in resp.headers.items()},
-            first if first is not None else time.monotonic() - start,
-            time.monotonic() - start,
-        )
+    return await completion(session, gw.envoy.url, body, headers)
 
 
 async def warm_up(session: aiohttp.ClientSession, gw: Gateway) -> None:
