@@ -54,7 +54,7 @@ from typing import Any
 import aiohttp
 
 from extproc.devstack import ROOT, Extproc, http, wait_until
-from loadtest.shedbench.arrivals import open_loop
+from loadtest.shedbench.arrivals import given_count, open_loop
 from loadtest.shedbench.capacity import (
     MIN_JUDGED,
     PROBE_STRETCH,
@@ -257,6 +257,8 @@ async def find_capacity(
         f"it does not (down to 1/8 of it), then bisecting to within 10 %; each rate one probe "
         f"of {opts.capacity_seconds:g} s of Poisson arrivals without retries (longer at a "
         f"low rate, for 35 requests after the warm-up, at most {PROBE_STRETCH} x as long), "
+        f"with the count the rate names (rate x seconds, before and after the warm-up "
+        f"apart, placed uniformly at random as a Poisson process places a given count), "
         f"judged on those "
         f"after its first {opts.capacity_warmup:g} s (none refused or failed, at least 20, "
         f"their TTFT p99 within target); the rate found probed again, with other "
@@ -272,7 +274,8 @@ async def find_capacity(
         seq += 1
         rng = random.Random(f"{cfg.seed}-capacity-{seq}")
         seconds = probe_seconds(rate, opts.capacity_seconds, opts.capacity_warmup)
-        outs = await open_loop(session, stack.url, cfg, rate, rng, seconds, cfg.grace)
+        times = given_count(rate, seconds, opts.capacity_warmup, rng)
+        outs = await open_loop(session, stack.url, cfg, rate, rng, seconds, cfg.grace, None, times)
         await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
         result = judge_probe(rate, outs, opts.capacity_warmup, target_ms)
         log(f"capacity probe {rate:.2f} req/s: TTFT p99 {result.ttft_p99_ms:.0f} ms of "

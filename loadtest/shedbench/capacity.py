@@ -78,8 +78,9 @@ async def sweep_capacity(
 
 @dataclass(frozen=True)
 class RateProbe:
-    """One rate of the search for the capacity at target: Poisson arrivals, thresholds off,
-    no retries; the TTFT p99 of those that arrived after the warm-up (a stream cut at the
+    """One rate of the search for the capacity at target: Poisson arrivals with the count
+    the rate names (:func:`~loadtest.shedbench.arrivals.given_count`), thresholds off, no
+    retries; the TTFT p99 of those that arrived after the warm-up (a stream cut at the
     end counts what it had waited)."""
 
     rate: float

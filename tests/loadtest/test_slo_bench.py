@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import math
 import random
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from extproc.devstack import PYTHON, ROOT
+from loadtest.shedbench.arrivals import given_count, poisson
 from loadtest.shedbench.capacity import RateProbe, judge_probe, probe_seconds, search_capacity
 from loadtest.shedbench.classes import Request
 from loadtest.shedbench.client import Outcome
@@ -147,6 +149,41 @@ def test_a_probe_at_a_low_rate_runs_long_enough_to_judge_20_requests_within_boun
     # vLLM at 0.125 req/s: 280 s for 35 requests (160 s, 4 x, judged 19: too few to hold)
     assert probe_seconds(0.125, 40.0, 8.0) == 288.0
     assert probe_seconds(0.05, 40.0, 8.0) == 400.0  # at most 10 x the default
+
+
+def test_a_probe_has_the_count_its_rate_names_before_and_after_the_warm_up() -> None:
+    # Drawn Poisson counts put a "9 req/s" probe's 12 judged seconds anywhere from about
+    # 7 to 11 req/s; the simulated workers' knee lies between 8.5 and 8.9.
+    for seed in range(50):
+        times = given_count(9.0, 16.0, 4.0, random.Random(seed))
+        assert times == sorted(times) and all(0.0 <= t < 16.0 for t in times)
+        assert sum(1 for t in times if t < 4.0) == 36
+        assert sum(1 for t in times if t >= 4.0) == 108
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    mean = sum(gaps) / len(gaps)
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert 0.7 < cv < 1.3  # as irregular as Poisson gaps (1), not a metronome (0)
+    with pytest.raises(ValueError, match=re.escape("rate 0.0, window 16.0, warmup 4.0")):
+        given_count(0.0, 16.0, 4.0, random.Random(1))
+    with pytest.raises(ValueError, match=re.escape("warmup 20.0")):
+        given_count(9.0, 16.0, 20.0, random.Random(1))
+
+
+def test_given_arrival_times_are_launched_at_those_times_and_no_others() -> None:
+    launched: list[float] = []
+
+    async def run() -> None:
+        async def nothing() -> None:
+            return None
+
+        def launch(at: float, t0: float) -> Any:
+            launched.append(at)
+            return nothing()
+
+        await poisson(100.0, 0.2, 0.5, random.Random(1), launch, times=[0.01, 0.05, 0.1])
+
+    asyncio.run(run())
+    assert launched == [0.01, 0.05, 0.1]
 
 
 def test_a_probe_holds_only_with_enough_requests_none_refused_and_its_p99_within() -> None:
