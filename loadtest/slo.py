@@ -17,7 +17,8 @@ with its agent), then:
    short overload phases (``--sweep-phases``); the one with the most SLO-good user requests
    is "the best fixed thresholds";
 4. **modes**, one after the other, each over the same phases (``--phases``, default
-   1x -> 3x -> 10x -> 1x of the capacity at target, seeded Poisson arrivals of clients
+   1x -> 3x -> 10x -> 1x of the capacity at target, seeded Poisson arrivals (each phase
+   with the count its rate names) of clients
    that retry like the OpenAI SDK), one worker ``--slow-factor`` x slower in the middle of
    the 3x phase: the shipped thresholds (``--shipped``), the sweep's best, the target alone
    (``POST /busy_threshold`` with ``ttft_p99_target_ms`` and every threshold disabled),

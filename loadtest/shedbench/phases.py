@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.shedbench.arrivals import poisson
+from loadtest.shedbench.arrivals import given_count, poisson
 from loadtest.shedbench.classes import CLASS_HEADER, Request, RetryPolicy, attempts
 from loadtest.shedbench.client import censor, request_body
 from loadtest.shedbench.config import MODEL, Config
@@ -116,8 +116,10 @@ async def run_phases(
     histogram_every: float = 5.0,
     mix: Sequence[tuple[str, float]] = (),
 ) -> PhasedRun:
-    """Every phase's Poisson arrivals (seeded per phase: the same in every mode) of retrying
-    clients, back to back on one clock; the slowdown; the samplers. Request ``n`` carries
+    """Every phase's Poisson arrivals with the count its rate names (seeded per phase: the
+    same in every mode; :func:`~loadtest.shedbench.arrivals.given_count`: a drawn count made
+    the last 1x phase on the simulated workers 151 arrivals for an expected 127.5, 1.18x) of
+    retrying clients, back to back on one clock; the slowdown; the samplers. Request ``n`` carries
     ``x-bench-id: <tag><n>`` (Envoy's access log names it) and, with a ``mix`` of
     (class, share), a class drawn from its own seeded stream (the arrivals and bodies stay
     those without classes). Bounded: each phase at most ``2 x rate x seconds + 10``
@@ -149,7 +151,9 @@ async def run_phases(
         rng = random.Random(f"{cfg.seed}-phase-{i}")
         grace = total - start - phase.seconds + cfg.grace
         launch = launcher(start, rng)
-        phases.append(poisson(phase.load * capacity, phase.seconds, grace, rng, launch, t0 + start))
+        rate = phase.load * capacity
+        times = given_count(rate, phase.seconds, 0.0, rng)
+        phases.append(poisson(rate, phase.seconds, grace, rng, launch, t0 + start, times))
     stop = asyncio.Event()
     samplers = [
         asyncio.create_task(_sample_debug(session, stack, t0, run, stop)),

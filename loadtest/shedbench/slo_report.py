@@ -434,14 +434,15 @@ The target: TTFT p99 **{res.target_ms:g} ms**.
 
 {_capacity_text(res)}
 
-Offered load (Poisson, the same seeded arrivals in every mode): {phases} of the capacity at \
-target. {plan.slow_at:g} s into phase {plan.slow_phase + 1}, worker {plan.slow_worker + 1} \
-becomes {plan.slow_factor:g}x slower ({_how_slowed(cfg)}) for {plan.slow_for:g} s. Clients \
-retry as {res.retry.describe()}. A user request is one request with its retries; its TTFT \
-runs from its first attempt to its first token. SLO goodput: user requests whose first token \
-came in the phase within the target, retries included, their stream completed, per second. \
-"TTFT p99" without "user": of the attempts admitted (sent to a worker), from the attempt's \
-start.
+Offered load (Poisson, the same seeded arrivals in every mode, each phase with the count its \
+rate names, placed uniformly at random as a Poisson process places a given count): {phases} \
+of the capacity at target. {plan.slow_at:g} s into phase {plan.slow_phase + 1}, worker \
+{plan.slow_worker + 1} becomes {plan.slow_factor:g}x slower ({_how_slowed(cfg)}) for \
+{plan.slow_for:g} s. Clients retry as {res.retry.describe()}. A user request is one request \
+with its retries; its TTFT runs from its first attempt to its first token. SLO goodput: user \
+requests whose first token came in the phase within the target, retries included, their \
+stream completed, per second. "TTFT p99" without "user": of the attempts admitted (sent to a \
+worker), from the attempt's start.
 
 {_sweep_text(res)}
 
