@@ -186,12 +186,14 @@ def goals(res: SloResults) -> list[Verdict]:
             ))  # fmt: skip
     judged = sum(p.windows_judged for p in alone.phases)
     within = sum(p.windows_within for p in alone.phases)
+    unoffered = sum(p.windows_unoffered for p in alone.phases)
     missed = [w for w in alone.windows if w.judged and not w.within(res.target_ms)]
     out.append(Verdict(
         f"TTFT p99 within {res.target_ms:g} ms in >= {WINDOWS_WITHIN:.0%} of the {WINDOW:g}-s "
         f"windows after the first {SETTLE:g} s of each phase",
         None if not judged else within >= WINDOWS_WITHIN * judged - 1e-9,
         f"{within} of {judged}" + (f" ({within / judged:.0%})" if judged else "")
+        + (f" ({unoffered} more without an arrival, not judged)" if unoffered else "")
         + ("; out of target: " + ", ".join(
             f"{w.start:g} s{' (slow)' if w.slowed else ''} "
             + (f"{fmt_ms(w.ttft_p99_ms)} ms" if w.admitted else "none admitted")
@@ -276,7 +278,9 @@ def _window_table(m: ModeResult, target_ms: float) -> str:
     ]
     for w in m.windows:
         mark = ("yes" if w.within(target_ms) else "**no**") if w.judged else "(settling)"
-        if w.judged and not w.admitted:
+        if w.unoffered:
+            mark = "(no arrival)"
+        elif w.judged and not w.admitted:
             mark = "**no** (none admitted)"
         slow = " slow" if w.slowed else ""
         held = "—" if w.held is None else f"{w.held:.1f}"

@@ -69,12 +69,22 @@ class Window:
     admitted: int
     held: float | None  # mean of extproc_held_requests read in the window; None: not reported
     slowed: bool  # the slowdown was on for part of the window
-    judged: bool  # at least SETTLE seconds into its phase
+    judged: bool  # at least SETTLE seconds into its phase, and an attempt was sent in it
+    offered: int = 0  # attempts sent in it
+    settled: bool = False  # at least SETTLE seconds into its phase
 
     def within(self, target_ms: float) -> bool:
         """The TTFT p99 of what it admitted was within target; a window that admitted
         nothing is a miss (shedding everything holds no target)."""
         return within_target(self.admitted, self.ttft_p99_ms, target_ms)
+
+    @property
+    def unoffered(self) -> bool:
+        """Past its phase's settling but no attempt was sent in it: nothing to judge. At a
+        low capacity at target a 5-s window often has no arrival (vLLM's 0.25 req/s: 1.25
+        expected, none in 29 % of them); a window that was offered requests and admitted
+        none is still a miss."""
+        return self.settled and self.offered == 0
 
 
 def within_target(admitted: int, ttft_p99_ms: float, target_ms: float) -> bool:
@@ -116,6 +126,7 @@ class PhaseStats:
     windows_judged: int
     windows_within: int
     deadline_rejections: int = 0  # attempts refused with x-shed-reason: deadline
+    windows_unoffered: int = 0  # settled windows in which no attempt was sent: not judged
 
     @property
     def admitted_first_share(self) -> float:
@@ -196,7 +207,9 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
                     admitted=len(ok),
                     held=_mean(held),
                     slowed=run.slowed[0] < at + WINDOW and at < run.slowed[1],
-                    judged=at >= start + SETTLE,
+                    judged=at >= start + SETTLE and bool(mine),
+                    offered=len(mine),
+                    settled=at >= start + SETTLE,
                 )
             )
             at += WINDOW
@@ -226,6 +239,7 @@ def summarize_run(run: PhasedRun, plan: PhasePlan, mode: Mode, target_ms: float)
                 user_ttft_p99_ms=percentile(user_ttfts, 99) * 1e3,
                 windows_judged=len(judged),
                 windows_within=sum(1 for w in judged if w.within(target_ms)),
+                windows_unoffered=sum(1 for w in windows if w.phase == i and w.unoffered),
                 deadline_rejections=sum(
                     1 for a in mine if refused(a) and a.shed_reason == "deadline"
                 ),

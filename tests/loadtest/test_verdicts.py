@@ -171,6 +171,25 @@ def test_shedding_everything_while_slow_misses_every_goal_it_touches() -> None:
     assert "0.0 s" not in md and "not back within target during the slowdown" in md
 
 
+def test_a_window_without_an_arrival_is_not_judged_one_that_shed_everything_is() -> None:
+    run = _phased(False)
+    # Nothing sent 20-25 s (a low rate's Poisson gap), and everything refused 30-35 s.
+    run.requests = [r for r in run.requests if not 20.0 <= r.arrival < 25.0]
+    for r in run.requests:
+        if 30.0 <= r.arrival < 35.0:
+            r.attempts = [Outcome(arrival=r.arrival, status=529, e2e=0.002)]
+    target = summarize_run(run, PLAN, Mode("target alone", None, None, TARGET_MS), TARGET_MS)
+    (phase,) = target.phases
+    assert (phase.windows_within, phase.windows_judged, phase.windows_unoffered) == (4, 5, 1)
+    res = _results(run)
+    (windows,) = [v for v in goals(res) if v.name.startswith("TTFT p99 within")]
+    assert windows.met is False
+    assert "4 of 5 (80%) (1 more without an arrival, not judged)" in windows.detail
+    md = slo_markdown(res)
+    assert "| 20 slow | 1 | — | (no arrival) |" in md
+    assert "| 30 | 1 | — | **no** (none admitted) |" in md
+
+
 def test_a_target_that_held_through_the_slowdown_is_not_tested_for_recovery() -> None:
     res = _results(_phased(False))
     target = res.mode("target alone")
