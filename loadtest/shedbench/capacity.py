@@ -36,8 +36,15 @@ async def measure_unloaded(
     ``full`` full-length ones for the end-to-end latency."""
     solo = [await probe(session, stack.url, cfg, rng, 4) for _ in range(cfg.unloaded_probes)]
     whole = [await probe(session, stack.url, cfg, rng) for _ in range(full)]
-    if not all(o.finished for o in solo + whole):
-        raise RuntimeError("an unloaded request did not finish")
+    failed = [(i, o) for i, o in enumerate(solo + whole) if not o.finished]
+    if failed:
+        i, o = failed[0]
+        raise RuntimeError(
+            f"{len(failed)} of {len(solo + whole)} unloaded requests did not finish; the "
+            f"first, request {i + 1}: status {o.status or 'none'}"
+            + (f", {o.shed_reason}" if o.shed_reason else "")
+            + (f", {o.error}" if o.error else "")
+        )
     return Unloaded(
         ttft_p50_ms=percentile([o.ttft or 0 for o in solo[1:]], 50) * 1e3,
         ttft_p99_ms=percentile([o.ttft or 0 for o in solo[1:]], 99) * 1e3,
