@@ -506,8 +506,8 @@ ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "kv_total_blocks": 7, "block_size": 128, "max_num_seqs": 4,
         "max_num_batched_tokens": 2048, "speedup": 1.0, "prompt_tokens": 32,
         "max_tokens": 64, "phases": "1:30,3:60,10:30,1:30", "slow_at": 20.0,
-        # 101 unloaded requests: the p99 of 40 is their largest; from 40 the target was
-        # 660 ms, and probes at 0.14-0.5 req/s all had a p99 of 0.95-1.3 s, whatever the rate.
+        # 101 unloaded requests: its idle TTFT has a long tail, and the p99 of 40 is their
+        # largest, not a p99.
         "slow_for": 20.0, "shipped": "0.5:0.03125", "sweep": "0.3:0.03125,0.8:0.0625",
         "sweep_phases": "3:20,10:15", "unloaded_probes": 101, "capacity_start": 0.5,
         "capacity_seconds": 40.0, "capacity_warmup": 8.0, "capacity_probes": 9,

@@ -118,7 +118,7 @@ async def run_phases(
 ) -> PhasedRun:
     """Every phase's Poisson arrivals with the count its rate names (seeded per phase: the
     same in every mode; :func:`~loadtest.shedbench.arrivals.given_count`: a drawn count made
-    the last 1x phase on the simulated workers 151 arrivals for an expected 127.5, 1.18x) of
+    the last 1x phase on the simulated workers 153 arrivals for an expected 135, 1.13x) of
     retrying clients, back to back on one clock; the slowdown; the samplers. Request ``n`` carries
     ``x-bench-id: <tag><n>`` (Envoy's access log names it) and, with a ``mix`` of
     (class, share), a class drawn from its own seeded stream (the arrivals and bodies stay
