@@ -188,6 +188,8 @@ def test_a_window_without_an_arrival_is_not_judged_one_that_shed_everything_is()
     md = slo_markdown(res)
     assert "| 20 slow | 1 | — | (no arrival) |" in md
     assert "| 30 | 1 | — | **no** (none admitted) |" in md
+    # A share near a goal's line is shown to a tenth of a percent: 120 of 140 is 85.7 %.
+    assert "first attempt: 120 of 140 (85.7%);" in md
 
 
 def test_a_target_that_held_through_the_slowdown_is_not_tested_for_recovery() -> None:
