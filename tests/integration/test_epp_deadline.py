@@ -123,6 +123,18 @@ def set_target(gw: Gateway, ms: int) -> None:
     assert status == 200
 
 
+async def long_on_a(
+    session: aiohttp.ClientSession, gw: Gateway, target_ms: int
+) -> asyncio.Future[Result]:
+    """Warm up, set the model's target, and start a long generation on worker a; returns
+    it once a holds it."""
+    await warm_up(session, gw)
+    set_target(gw, target_ms)
+    long = asyncio.ensure_future(request(session, gw, LONG, "a"))
+    await occupied(gw)
+    return long
+
+
 @pytest.fixture
 def gw(tmp_path: Path) -> Iterator[Gateway]:
     with gateway(tmp_path) as g:
@@ -133,10 +145,7 @@ async def test_a_subset_of_one_full_worker_is_refused_for_the_deadline_though_an
     gw: Gateway,
 ) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        await warm_up(session, gw)
-        set_target(gw, 300)
-        long = asyncio.ensure_future(request(session, gw, LONG, "a"))
-        await occupied(gw)
+        long = await long_on_a(session, gw, 300)
         refused = await request(session, gw, SHORT, "a")
         assert refused.status == 529
         assert refused.done < 0.5  # at once, not after the ~2 s wait for a's slot
@@ -154,10 +163,7 @@ async def test_a_subset_request_that_fits_after_the_wait_is_held_for_its_worker_
     gw: Gateway,
 ) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        await warm_up(session, gw)
-        set_target(gw, 10_000)
-        long = asyncio.ensure_future(request(session, gw, LONG, "a"))
-        await occupied(gw)
+        long = await long_on_a(session, gw, 10_000)
         short = asyncio.ensure_future(request(session, gw, SHORT, "a"))
 
         def held() -> bool:
