@@ -10,11 +10,11 @@ prompts of 100-2000 tokens at 0.1 ms each, 20-300 output tokens at 10 ms each):
 load (x the plant's capacity)           this predictor  queue-blind     mean of last 32
 ======================================  ==============  ==============  ================
 0.6 / 1.3 alternating every 30 s        median 7-8 %    median 97-98 %  median 41-46 %
-                                        p90 17-24 %     p90 99 %        p90 98-160 %
+                                        p90 17-23 %     p90 99 %        p90 98-160 %
 same, no load reports (gateway only)    the same to     the same        the same
                                         0.1 point
 steady 0.9                              median 15-16 %  median 85-87 %  median 47-56 %
-                                        p90 49-54 %     p90 94-96 %     p90 330-350 %
+                                        p90 49-57 %     p90 94-96 %     p90 330-350 %
 ======================================  ==============  ==============  ================
 
 At a steady load the error is mostly the wait for one or two completions, which is random
