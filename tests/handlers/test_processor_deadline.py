@@ -212,62 +212,6 @@ async def test_a_held_request_past_its_deadline_gets_the_deadline_reply() -> Non
     assert counter(handler, "extproc_decisions_total", outcome="deadline") == 1
 
 
-def learn_sizes(handler: ExtProcHandler, clock: Clock, wid: str) -> None:
-    """80 requests on ``wid`` alone of 100 and 1000 prompt tokens by turns: 10 ms + 0.9 s per
-    1000 tokens to the first byte (0.1 s and 0.91 s), each holding its slot 1 s in all."""
-    admission = handler.admission
-    assert admission is not None
-    worker = handler.pool.workers[wid]
-    for i in range(80):
-        key, tokens = ("sizes", wid, i), (100, 1000)[i % 2]
-        admission.dispatched(key, worker, tokens, clock.t, clock.t)
-        clock.t += 0.01 + 0.0009 * tokens
-        admission.first_byte(key, worker, clock.t)
-        clock.t += 1.0 - (0.01 + 0.0009 * tokens)
-        admission.ended(key, worker, clock.t, 10)
-
-
-@pytest.mark.parametrize("prefilling", [False, True])
-async def test_a_held_request_goes_to_a_freed_slot_only_if_the_prefill_there_leaves_it_time(
-    prefilling: bool,
-) -> None:
-    """Two slots, both taken by requests sent together; a third is held (target 1.3 s). The
-    first ends 1.05 s later: the freed slot leaves 0.25 s, enough for the held request's own
-    prefill with its spread, but not beside the second's prompt still prefilling there. Then
-    it is not sent to miss its target there: it stays held and gets the deadline reply at its
-    deadline. With the second past its first token, it is sent at once."""
-    handler, clock = make(target_ms=1300.0, slots=2)
-    learn_sizes(handler, clock, "a")
-    first, _ = send(handler, "r1")
-    second, _ = send(handler, "r2")
-    _, raw = send(handler, "r3")
-    assert isinstance(raw, tuple), raw  # held: the next slot frees in 1 s
-    task = asyncio.ensure_future(raw[1])
-    await asyncio.sleep(0)
-    clock.t += 0.1
-    first.receive(response_headers(200, extra=SSE))
-    first.receive(chunk(1))
-    if not prefilling:
-        second.receive(response_headers(200, extra=SSE))
-        second.receive(chunk(1))  # its first token: nothing left to prefill there
-    await asyncio.sleep(0)
-    assert not task.done()
-    clock.t += 0.95
-    first.receive(chunk(1, end=True))  # the first ends: its slot frees
-    first.close()
-    if not prefilling:
-        assert destination(parsed(await asyncio.wait_for(task, 1))) == "127.0.0.1:1"
-        return
-    await asyncio.sleep(0)
-    assert not task.done()
-    assert handler.admission is not None and len(handler.admission.held["m"]) == 1
-    clock.t += 0.25  # past its deadline
-    assert handler.held is not None
-    handler.held.pump("m")
-    status, hdrs, _ = local(parsed(await asyncio.wait_for(task, 1)))
-    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
-
-
 async def test_the_deadline_timer_answers_a_held_request_without_any_event() -> None:
     handler, clock = make(target_ms=500.0)
     learn(handler, clock, "a", scale=0.2)  # 0.2 s a request: a wait that fits 0.5 s
@@ -304,8 +248,7 @@ async def test_a_held_request_is_answered_once_the_running_one_outlives_every_re
     handler.held.pump("m")
     status, hdrs, _ = local(parsed(await asyncio.wait_for(task, 1)))
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
-    # The wait now predicted: the median of an exponential wait of mean its age (0.69 x 4.5 s).
-    assert 3000 <= int(hdrs["retry-after-ms"]) <= 3200
+    assert int(hdrs["retry-after-ms"]) >= 4000  # the wait now predicted: about its age
     assert not handler.admission.held.get("m")
 
 
