@@ -6,7 +6,6 @@ router ahead of it::
 
     ttft    = wait + prefill + gateway
     wait    = 0                              when occupancy + h < slots (a slot is free for it)
-            = next_slot                      when occupancy + h = slots (the next one is its)
             = (occupancy + h - slots + 1) / rate        otherwise
     prefill = overhead + cost x (p + pending)
     rate    = min(slots / service, sum over the running requests of 1 / remaining(age))
@@ -64,27 +63,6 @@ router ahead of it::
   plant of tests/core/plant.py without load reports at 3x, 91 % of the 5-s windows within
   target against 98 % (32 samples make a noisy tail, and a near-certain end counted as
   ``1 / residual`` overstates the rate).
-- ``next_slot``: when the first of the running requests frees its slot, from their ages
-  (:func:`first_completion`). A request that has held its slot ``age`` seconds ends within
-  ``t`` with the share of the recent slot times longer than ``age`` that are at most
-  ``age + t`` (how much longer the recent requests that lasted as long went on); with fewer
-  than ``ORDER_MIN_LONGER`` of them, at the rate ``1 / age`` as above. They end
-  independently, so none has ended by ``t`` with the product of their chances; the wait is
-  where that product falls to 1/2, its 10th and 90th percentiles where it falls to 9/10 and
-  1/10. Generations of one length (each reaching its ``max_tokens``) end when their ages
-  say: on a full worker whose oldest request is 0.1 s from the usual end, the next slot is
-  0.1 s away give or take little, where the rate alone says ``1 / rate`` give or take
-  ``1.28 / rate``, whatever the ages. With lengths as varied as the plant's (20-300 tokens)
-  the first of many ends is near memoryless and the two agree (the plant's tests measure the
-  same within a request or two). Measured on the plant with every generation 100 tokens, a
-  0.3-s target and 3x its capacity: 6.93-6.94 requests served per second against 6.59-6.60
-  with the rate alone, which never held a request there (the rate's spread alone is past
-  the target); on the simulated workers of the latency-target benchmark (128-token
-  generations, 150-ms target), two runs: 126 of 128 users of the first 1x phase admitted at
-  their first attempt against 125, SLO goodput at 3x 9.63-9.73 requests per second against
-  9.63, and 119-120 of 128 in the last 1x phase against 125 (it follows the 10x phase, and
-  its first 5 s offered 167 attempts where the rate alone's run offered 135: more retries of
-  the 10x phase's users came back then).
 - ``overhead`` and ``cost``: a recursive least-squares fit (forgetting ``FORGET`` a sample,
   about the last 100) of ``dispatch to first body byte = overhead + cost x tokens``, on the
   requests that started on a free slot (the others include a wait). ``tokens`` is the
@@ -112,9 +90,8 @@ prefill measurement; it is kept for diagnostics beside the prediction.
 The decision (:func:`decide`) judges each prediction with its spread added, since the target
 is a p99 (a ``lenient`` decision, for the best of several request classes, judges the mean
 alone: such a request is admitted when more likely than not to meet its target): the wait
-for the next slot has its 90th percentile from ``next_slot``; the wait for ``n``
-completions is about Gamma(n, rate), whose 90th percentile is near ``(n + WAIT_Z x
-sqrt(n)) / rate``; and the prefill fit is off by up to ``PREFILL_MARGIN`` mean absolute
+for ``n`` completions is about Gamma(n, rate), whose 90th percentile is near ``(n + WAIT_Z x
+sqrt(n)) / rate``, and the prefill fit is off by up to ``PREFILL_MARGIN`` mean absolute
 residuals. Among the workers that can start the request now, the one with the smallest
 predicted TTFT that fits gets it (a slot never sits idle while a request that fits waits);
 otherwise, if the smallest prediction of all fits, the request is held in the router until a
@@ -146,23 +123,14 @@ busy by the thresholds, which stay ceilings) and :func:`decide`. A :class:`Hold`
 the model's :class:`HeldQueue` with its deadline and workers. On every stream end, load
 report and held deadline, the path calls :meth:`HeldQueue.expire` (those get the overload
 reply) and :func:`~extproc.core.held.fill_slots` with each worker's
-:meth:`WorkerEstimate.free_slots`, and dispatches what it returns. A held request goes to a
-freed slot only where its first token still comes by its target
-(:meth:`WorkerEstimate.first_token_by`: its prefill beside the prompts that worker is
-prefilling now, those this fill gave it included, with the fit's spread); the slot then goes
-to the next held request that fits there. Held requests are released together when several
-slots free at once, and their prefills queue behind each other: on the plant with 100-token
-generations at 1x and 3x (0.3-s target), before this check 6-27 held requests per run of
-300 s got their first token after the target (most of the misses at 3x); with it, 0-1.
+:meth:`WorkerEstimate.free_slots`, and dispatches what it returns.
 
 Pure: plain values, times passed in, no I/O.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -184,13 +152,6 @@ PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request pa
 # was 0.99-1.01 s; with it, 3-4 % and 0.88-0.90 s, the plant as busy as with all let in.
 WAIT_Z = 1.28
 PREFILL_MARGIN = 2.0
-# The next slot from the running requests' ages (the module's rule) needs this many recent
-# slot times, and this many of them longer than a request's age to read its remaining time
-# off them; with fewer, a request that has run ``age`` is taken to free its slot at the rate
-# ``1 / age``.
-ORDER_MIN_SAMPLES = 8
-ORDER_MIN_LONGER = 3
-QUANTILES = (0.1, 0.5, 0.9)  # of the next slot's time: its low bound, median and bound
 MAX_RETRY_AFTER = 60
 ROUNDING = 1e-9  # a wait of 0.7000000000000002 s is 700 ms, not 701
 
@@ -514,22 +475,6 @@ class WorkerEstimate:
                 room -= 1
         return total
 
-    def next_slot(self, now: float) -> tuple[float, float, float] | None:
-        """When the first of the requests running now frees its slot, from their ages and
-        the recent slot times (the module's rule): its 10th, 50th and 90th percentiles, in
-        seconds from now. None: too few slot times measured yet."""
-        if len(self.slot_times) < ORDER_MIN_SAMPLES:
-            return None
-        return first_completion([(sorted(self.slot_times), self.ages(now))])
-
-    def first_token_by(self, prompt_tokens: int, now: float, also: int = 0) -> float:
-        """When a request sent here now gets its first token, at the bound admission judges
-        by: its prefill beside the prompts started here and not at their first token yet
-        (``also``: prompt tokens about to be sent before it), with the fit's spread."""
-        tokens = prompt_tokens + self.pending_tokens(now) + also
-        spread = PREFILL_MARGIN * (self.fit.abs_residual.get() or 0.0)
-        return now + self.fit.predict(tokens) + spread
-
     @property
     def missing(self) -> tuple[str, ...]:
         """The inputs this worker's prediction goes without, by name."""
@@ -590,57 +535,6 @@ class WorkerEstimate:
         return out
 
 
-def first_completion(
-    groups: Sequence[tuple[Sequence[float], Sequence[float]]],
-) -> tuple[float, float, float] | None:
-    """The :data:`QUANTILES` of the time until the first of some running requests ends.
-
-    ``groups``: (the recent slot times of a worker, sorted; the ages of the requests running
-    on it). A request of age ``a`` ends within ``t`` with the share of the slot times longer
-    than ``a`` that are at most ``a + t`` (the remaining time of the recent requests that
-    lasted as long); with fewer than :data:`ORDER_MIN_LONGER` of them, at the rate ``1 / a``.
-    The requests end independently: the first of them is later than ``t`` with the product
-    of their chances, ``exp(L(t))``; ``L`` steps down at each slot time a request passes and
-    falls linearly with the rates, and each quantile is where it crosses ``log(1 - q)``.
-    None: no request running."""
-    heap: list[tuple[float, int, int, Sequence[float], float]] = []
-    counts: list[int] = []
-    hazard = 0.0
-    for times, ages in groups:
-        for age in ages:
-            i = bisect_right(times, age)
-            longer = len(times) - i
-            if longer >= ORDER_MIN_LONGER:
-                heap.append((times[i] - age, len(counts), i, times, age))
-                counts.append(longer)
-            else:
-                hazard += 1.0 / max(age, 1e-3)
-    if not heap and not hazard:
-        return None
-    heapq.heapify(heap)
-    goals = [math.log(1.0 - q) for q in QUANTILES]
-    out: list[float] = []
-    level = 0.0  # L(t) + hazard x t
-    while len(out) < len(goals):
-        goal = goals[len(out)]
-        t_next = heap[0][0] if heap else math.inf
-        if hazard and (level - goal) / hazard <= t_next:
-            out.append((level - goal) / hazard)
-            continue
-        t, k, i, times, age = heapq.heappop(heap)
-        counts[k] -= 1
-        if counts[k] == 0:  # it has ended for sure by now: so has the first of them
-            out.extend([t] * (len(goals) - len(out)))
-            break
-        level += math.log(counts[k] / (counts[k] + 1))
-        if i + 1 < len(times):
-            heapq.heappush(heap, (times[i + 1] - age, k, i + 1, times, age))
-        while len(out) < len(goals) and level - hazard * t <= goals[len(out)]:
-            out.append(t)
-    low, mid, high = (max(0.0, x) for x in out)
-    return low, mid, high
-
-
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """One worker's predicted TTFT for one request, with its parts (seconds)."""
@@ -682,16 +576,11 @@ def predict_ttft(
         prefill = est.fit.predict(prompt_tokens + est.pending_tokens(now))
     else:
         ahead = occupancy + held_ahead - slots
-        first = est.next_slot(now) if ahead <= 0 else None
-        if first is not None:  # the next slot: from the running requests' ages
-            low, wait, high = first
-            wait_spread, wait_low = high - wait, wait - low
-        else:  # a later one (or too few slot times measured): the completion rate
-            rate = est.rate_now(now)
-            wait = None if rate is None else (ahead + 1) / rate
-            if rate is not None:
-                wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
-                wait_low = (ahead + 1 - gamma_low(ahead + 1)) / rate
+        rate = est.rate_now(now)
+        wait = None if rate is None else (ahead + 1) / rate
+        if rate is not None:
+            wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
+            wait_low = (ahead + 1 - gamma_low(ahead + 1)) / rate
         prefill = est.fit.predict(prompt_tokens + (est.shared.get() or 0.0))
     return Prediction(
         est.worker,
@@ -721,11 +610,11 @@ def gamma_low(n: float) -> float:
 @dataclass(frozen=True, slots=True)
 class PoolWait:
     """When the full workers free the slot of a request with ``held_ahead`` requests held
-    before it: at ``seconds``; its 90th percentile ``spread`` later, its 10th ``low`` sooner."""
+    before it: at ``seconds``, after ``completions`` completions at ``rate`` in all."""
 
     seconds: float
-    spread: float
-    low: float
+    completions: float
+    rate: float
     backlog: dict[str, float]  # the workers that free a slot by then, and their backlog
 
 
@@ -736,37 +625,19 @@ def pool_wait(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) 
     ``b``), then frees slots at its rate ``r``, and each freed slot takes the next held
     request; so by time ``T`` the workers have freed ``sum(max(0, r x T - b))`` slots, and
     the request's is the ``held_ahead + 1``-th, less the slots free now: with none held
-    ahead, the first slot any of them frees. That first slot, when no full worker has a
-    backlog, is read off the ages of all their running requests (:func:`first_completion`).
-    None when that is no wait at all (a worker never full, enough free slots) or no full
-    worker has a measured rate."""
+    ahead, the first slot any of them frees. None when that is no wait at all (a worker
+    never full, enough free slots) or no full worker has a measured rate."""
     need = float(max(0, held_ahead) + 1)
     lines: list[tuple[float, float, str]] = []  # (backlog, rate, worker) of the full workers
-    full: list[WorkerEstimate] = []
     for est in estimates:
         free = est.free_slots(now)
         if free is None:
             return None
         need -= free
-        if free:
-            continue
-        full.append(est)
         rate = est.rate_now(now)
-        if rate:
+        if not free and rate:
             lines.append((est.occupancy() - float(est.slots(now) or 0), rate, est.worker))
-    if need <= 0:
-        return None
-    # The first slot they free, none of them with a backlog: from their requests' ages.
-    ages_known = all(
-        e.occupancy() <= (e.slots(now) or 0) and len(e.slot_times) >= ORDER_MIN_SAMPLES
-        for e in full
-    )
-    if need == 1 and full and ages_known:
-        first = first_completion([(sorted(e.slot_times), e.ages(now)) for e in full])
-        if first is not None:
-            low, mid, high = first
-            return PoolWait(mid, high - mid, mid - low, {e.worker: 0.0 for e in full})
-    if not lines:
+    if need <= 0 or not lines:
         return None
     # sum(max(0, r x T - b)) = need is piecewise linear and increasing in T: add the workers
     # in the order they start freeing slots for the held requests until T falls before the
@@ -782,9 +653,7 @@ def pool_wait(estimates: Sequence[WorkerEstimate], held_ahead: int, now: float) 
         t = (need + sum_b) / sum_r
         if used == len(lines) or t <= lines[used][0] / lines[used][1]:
             break
-    n = need + sum_b
-    spread, low = WAIT_Z * math.sqrt(n) / sum_r, (n - gamma_low(n)) / sum_r
-    return PoolWait(t, spread, low, {w: b for b, _, w in lines[:used]})
+    return PoolWait(t, need + sum_b, sum_r, {w: b for b, _, w in lines[:used]})
 
 
 def predict_all(
@@ -792,8 +661,8 @@ def predict_all(
 ) -> list[Prediction]:
     """Every candidate's prediction for a request with ``held_ahead`` requests held before
     it. The held requests go to whichever worker frees a slot first (:func:`pool_wait`):
-    a worker that frees one by the pool's wait is predicted at that wait (and its spread);
-    the others at their own next free slot."""
+    a worker that frees one by the pool's wait is predicted at that wait (its spread from the
+    completions the pool needs at its rate in all); the others at their own next free slot."""
     pool = pool_wait(estimates, held_ahead, now)
     out = []
     for est in estimates:
@@ -808,8 +677,8 @@ def predict_all(
                 ttft=wait + p.prefill + p.gateway,
                 wait=wait,
                 ahead=pool.backlog[est.worker] + held_ahead,
-                wait_spread=pool.spread,
-                wait_low=pool.low,
+                wait_spread=WAIT_Z * math.sqrt(pool.completions) / pool.rate,
+                wait_low=(pool.completions - gamma_low(pool.completions)) / pool.rate,
             )
         )
     return out

@@ -13,7 +13,7 @@ waiting itself.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -120,31 +120,21 @@ class HeldQueue:
         return min((h.since for h in self._held.values()), default=None)
 
 
-def fill_slots(
-    queue: HeldQueue,
-    free: Mapping[str, int],
-    in_time: Callable[[Held, str], bool] | None = None,
-) -> list[tuple[Held, str]]:
+def fill_slots(queue: HeldQueue, free: Mapping[str, int]) -> list[tuple[Held, str]]:
     """Give every free slot a held request, earliest deadline first.
 
     ``free`` is the free slots per worker, in the order the caller prefers them (the
     smallest predicted TTFT first). Each held request, in deadline order, goes to the first
-    worker it may go to that still has a free slot and, when ``in_time`` is given, on which
-    ``in_time(request, worker)`` says it still gets its first token by its target (called in
-    deadline order; the first worker it says True for takes the request, so the callee can
-    count what that worker was given before the next call). Afterwards no worker with a free slot
-    has a held request it could take in time, and each worker received its requests in
-    deadline order. Returns the (request, worker) pairs taken out of ``queue``, in dispatch
-    order.
+    worker it may go to that still has a free slot. Afterwards no worker with a free slot
+    has a held request it could take, and each worker received its requests in deadline
+    order. Returns the (request, worker) pairs taken out of ``queue``, in dispatch order.
     """
     left = {w: n for w, n in free.items() if n > 0}
     out: list[tuple[Held, str]] = []
     if not left:
         return out
     for held in list(queue):
-        worker = next(
-            (w for w in left if held.fits(w) and (in_time is None or in_time(held, w))), None
-        )
+        worker = next((w for w in left if held.fits(w)), None)
         if worker is None:
             continue
         queue.remove(held.key)

@@ -212,24 +212,19 @@ class HeldRequests:
             return
         # The cheapest worker first: smallest idle TTFT for a typical request.
         workers.sort(key=lambda wk: admission.estimate(wk.worker_id).idle_ttft(0))
-        given: dict[str, int] = {}  # prompt tokens sent to each worker by this fill
         for h in list(q):
             w = self.waiters[h.key]
-            by = w.arrived + (admission.target_s(model, w.class_name) or 0.0)
             for worker in workers:
                 wid = worker.worker_id
                 if free.get(wid, 0) <= 0 or not w.may_use(worker):
                     continue
                 if not is_free(worker, w.variant, now):
                     continue
-                est = admission.estimate(wid)
-                if not h.fits(wid) and now + est.idle_ttft(w.prompt_tokens) > by:
-                    continue
-                # Its prefill beside the prompts this worker is prefilling now: a slot where
-                # its first token would come late is left to a request that fits there.
-                if est.first_token_by(w.prompt_tokens, now, given.get(wid, 0)) > by:
-                    continue
-                given[wid] = given.get(wid, 0) + w.prompt_tokens
+                if not h.fits(wid):
+                    idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
+                    target = admission.target_s(model, w.class_name) or 0.0
+                    if now + idle > w.arrived + target:
+                        continue
                 q.remove(h.key)
                 free[wid] -= 1
                 self._finish(w, self.route(w.key, worker))

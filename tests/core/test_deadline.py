@@ -23,7 +23,6 @@ whatever is known (its spread is what admission adds as a margin).
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Hashable
 from dataclasses import replace
@@ -32,7 +31,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core import deadline as deadline_module
 from extproc.core.deadline import (
     ACTIVE,
     COMPLETIONS,
@@ -48,13 +46,12 @@ from extproc.core.deadline import (
     Reject,
     WorkerEstimate,
     decide,
-    first_completion,
     pool_wait,
     predict_all,
     predict_ttft,
     still_fits,
 )
-from extproc.core.held import Held, HeldQueue, fill_slots
+from extproc.core.held import HeldQueue, fill_slots
 from tests.core.plant import Engine, Params, Request, Router, Sim
 
 # ----- the predictor against the plant ------------------------------------------------------
@@ -193,15 +190,8 @@ class Admitting(Router):
     """Deadline admission over the plant's engines: dispatch, hold (earliest deadline first,
     one queue for all) or reject each request; fill every slot that frees from the queue."""
 
-    def __init__(
-        self,
-        target: float = TARGET,
-        blind: bool = False,
-        recheck: bool = True,
-        in_time: bool = True,
-    ) -> None:
+    def __init__(self, target: float = TARGET, blind: bool = False, recheck: bool = True) -> None:
         self.target = target
-        self.in_time = in_time
         self.blind = blind
         self.recheck = recheck
         self.est: dict[str, WorkerEstimate] = {}
@@ -228,17 +218,7 @@ class Admitting(Router):
         for est in sorted(self.estimates(sim), key=lambda e: -(e.rate(now) or 0.0)):
             n = est.free_slots(now)
             free[est.worker] = 10**9 if n is None else n
-        given: dict[str, int] = {}  # prompt tokens given to each worker in this fill
-
-        def in_time(h: Held, worker: str) -> bool:
-            req = self.reqs[h.key]
-            by = req.arrived + self.target
-            if self.est[worker].first_token_by(req.prompt, now, given.get(worker, 0)) > by:
-                return False
-            given[worker] = given.get(worker, 0) + req.prompt
-            return True
-
-        for h, worker in fill_slots(self.held, free, in_time if self.in_time else None):
+        for h, worker in fill_slots(self.held, free):
             self.send(sim, worker, self.reqs[h.key], now, now - h.since)
         if self.recheck:
             self.redecide(sim, now)
@@ -348,24 +328,6 @@ def test_admission_at_half_load_lets_nearly_everything_in() -> None:
     got = admission(Admitting(), P, 0.5, 1)
     assert got["admitted"] >= 0.98 * got["offered"], got
     assert got["p99"] <= TARGET, got
-
-
-def test_generations_of_one_length_are_held_for_the_slot_their_ages_free(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Every generation 100 tokens (1 s), target 0.3 s, at 3x: the next slot read off the
-    running requests' ages lets the worker serve >= 4 % more than the completion rate alone
-    (which never holds a request at this target: the rate's spread alone is past it), with
-    the p99 TTFT within target and few held to their deadline. Measured (seeds 1, 2): 6.93
-    and 6.94 served per second against 6.60 and 6.59, p99 0.285-0.294 s against 0.290-0.294 s,
-    3.3-3.4 % of the admitted held to their deadline."""
-    fixed = replace(P, output_tokens=(100, 100))
-    got = admission(Admitting(target=0.3), fixed, 3.0, 1)
-    monkeypatch.setattr(deadline_module, "first_completion", lambda groups: None)
-    rate_alone = admission(Admitting(target=0.3), fixed, 3.0, 1)
-    assert got["p99"] <= 0.3 and rate_alone["p99"] <= 0.3, (got, rate_alone)
-    assert got["served_per_s"] >= 1.04 * rate_alone["served_per_s"], (got, rate_alone)
-    assert got["expired"] <= 0.05 * got["admitted"], got
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -769,73 +731,6 @@ def test_bad_measurements_are_named() -> None:
     assert est.occupancy() == 0 and est.service.count == 0
 
 
-# ----- the next slot, from the running requests' ages ------------------------------------------
-
-
-def none_ended_by(groups: list[tuple[list[float], list[float]]], t: float) -> float:
-    """The chance that no request of ``groups`` has ended within ``t``, counted directly: each
-    one of age ``a`` lasts on like the recent slot times longer than ``a`` (with fewer than 3
-    of them, exponentially with mean ``a``)."""
-    chance = 1.0
-    for times, ages in groups:
-        for a in ages:
-            longer = [x for x in times if x > a]
-            if len(longer) >= 3:
-                chance *= sum(1 for x in longer if x > a + t) / len(longer)
-            else:
-                chance *= math.exp(-t / a)
-    return chance
-
-
-@given(
-    st.lists(st.floats(0.05, 5.0), min_size=8, max_size=32),
-    st.lists(st.floats(0.0, 6.0), min_size=1, max_size=12),
-    st.lists(st.floats(0.0, 6.0), max_size=6),
-)
-def test_the_next_slot_quantiles_are_where_the_chance_none_ended_crosses_them(
-    times: list[float], ages: list[float], other: list[float]
-) -> None:
-    """Two workers' running requests: at each quantile ``q`` returned, the chance that none
-    has ended is at most ``1 - q``, and a little before it, more."""
-    ages = [a if a >= 1e-3 or sum(x > a for x in times) >= 3 else 1e-3 for a in ages + other]
-    groups = [
-        (sorted(times), ages[: len(ages) // 2 + 1]),
-        (sorted(times[::-1]), ages[len(ages) // 2 + 1 :]),
-    ]
-    quantiles = first_completion(groups)
-    assert quantiles is not None
-    for q, t in zip((0.1, 0.5, 0.9), quantiles, strict=True):
-        assert none_ended_by(groups, t + 1e-9) <= 1 - q + 1e-9  # past rounding
-        if t > 1e-6:
-            assert none_ended_by(groups, t * (1 - 1e-6) - 1e-9) > 1 - q - 1e-9
-    assert quantiles[0] <= quantiles[1] <= quantiles[2]
-
-
-def test_the_next_slot_is_read_off_the_ages_of_the_running_requests(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Requests that all hold a slot 2 s: a full worker whose oldest has run 1.9 s frees a
-    slot in 0.1 s, and one whose requests all just started in 2 s, each with no spread;
-    the completion rate alone (2 a second) says 0.5 s for both, give or take 0.64 s."""
-    est = WorkerEstimate("w")
-    t = measured(est, 4)
-    est.load(waiting=0, active=0, total=4)
-    for i, age in enumerate((1.9, 1.0, 0.5, 0.1)):
-        est.dispatched(i, 1000, t - age)  # its first token 0.1 s later: its age is ``age``
-        est.first_byte(i, t - age + 0.1)
-    p = predict_ttft(est, 1000, 0, t)
-    assert not p.can_start and p.wait == pytest.approx(0.1, abs=0.01)
-    assert p.wait_spread < 0.01 and p.wait_low < 0.01
-    fresh, t2 = full_worker("fresh", 4, 2.0)
-    q = predict_ttft(fresh, 1000, 0, t2)
-    assert q.wait == pytest.approx(2.0, rel=0.02) and q.wait_spread < 0.01
-    monkeypatch.setattr(deadline_module, "first_completion", lambda groups: None)
-    for e, now in ((est, t), (fresh, t2)):
-        r = predict_ttft(e, 1000, 0, now)
-        assert r.wait == pytest.approx(0.5, rel=0.02)
-        assert r.wait_spread == pytest.approx(1.28 * 0.5, rel=0.02)
-
-
 # ----- several workers: the held requests shared out -----------------------------------------
 
 
@@ -851,11 +746,8 @@ def full_worker(name: str, slots: int, service: float) -> tuple[WorkerEstimate, 
 def test_held_requests_go_to_whichever_worker_frees_first() -> None:
     fast, t = full_worker("fast", 4, 1.0)  # 4 per second
     slow, _ = full_worker("slow", 4, 4.0)  # 1 per second
-    # None held: the first slot either frees. Each started its 4 requests just now, and the
-    # recent ones held a slot 1 s and 4 s: the fast worker's end in 1 s, all together.
-    first = pool_wait([fast, slow], 0, t)
-    assert first is not None and first.seconds == pytest.approx(1.0, rel=0.02)
-    assert first.spread < 0.01 and first.low < 0.01
+    first = pool_wait([fast, slow], 0, t)  # none held: the first slot either frees
+    assert first is not None and first.seconds == pytest.approx(1 / 5, rel=0.02)
     preds = predict_all([fast, slow], 1000, 9, t)
     # 10 slots needed at 5 per second: 2 s; the fast worker frees 8 of them, the slow 2.
     assert preds[0].wait == pytest.approx(2.0, rel=0.02)
@@ -877,10 +769,7 @@ def test_one_worker_waits_for_its_backlog_and_every_held_request(held: int, back
     for j in range(backlog):
         est.dispatched(("b", j), 1000, t)
     [p] = predict_all([est], 1000, held, t)
-    if held + backlog:  # a later slot than the next: at the worker's completion rate
-        assert p.wait == pytest.approx((backlog + held + 1) / 2.0, rel=0.01)
-    else:  # the next: its 3 requests just started and hold a slot 1.5 s, as the recent ones
-        assert p.wait == pytest.approx(1.5, rel=0.01)
+    assert p.wait == pytest.approx((backlog + held + 1) / 2.0, rel=0.01)
     assert p.wait == pytest.approx(predict_ttft(est, 1000, held, t).wait)
 
 
@@ -953,7 +842,6 @@ def test_held_behind_long_generations_without_their_ages_waits_to_its_deadline(
     """The control of the test above: with the rate of the recent completions alone, the
     short requests are held and answered only at (or near) their deadline."""
     monkeypatch.setattr(WorkerEstimate, "rate_now", WorkerEstimate.rate)
-    monkeypatch.setattr(deadline_module, "first_completion", lambda groups: None)
     _, during, _ = long_generations(Admitting())
     late = [r for r in during if (r.decision_delay or 0.0) > 0.5 * TARGET]
     assert len(late) >= 0.9 * len(during), [(r.outcome, r.decision_delay) for r in during]
