@@ -21,13 +21,7 @@ router ahead of it::
 - ``slots``: ``request_total_slots`` when the engine reports it, no more than its KV cache
   runs at once (its blocks over the blocks a running request holds, averaged over the load
   reports with requests running: 640 blocks and 512-token prompts run about 17 requests,
-  not the 48 sequences an engine may be allowed), or, when larger, over the blocks a request
-  holds averaged over its decode steps, from the prompt and output tokens of the requests
-  that ended there. A load report alone would allow whatever runs now: on an engine that
-  preempts when its cache fills, the blocks per running request are the cache over what
-  runs. vLLM on this CPU with 6 usable blocks of 128 tokens ran 4 requests of about 110
-  prompt and 64 output tokens by the reports (1.5 blocks each), and preempted as they grew
-  to 2 blocks; over their life they hold 1.7, so 3 run. Without the KV bound, a worker whose
+  not the 48 sequences an engine may be allowed). Without the KV bound, a worker whose
   cache had just drained its waiting requests counted all its sequences free again, and the
   requests sent to them waited at the engine: on simulated workers at the capacity at
   target, admitted requests spent a median 400 ms in the worker against a 150 ms target.
@@ -228,21 +222,6 @@ class PrefillFit:
         self.count += 1
 
 
-def _blocks_up_to(tokens: int, block_size: int) -> int:
-    """The sum over t = 1 .. ``tokens`` of ceil(t / block_size)."""
-    q, r = divmod(tokens, block_size)
-    return block_size * q * (q + 1) // 2 + r * (q + 1)
-
-
-def life_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> float:
-    """KV blocks a request of ``prompt_tokens`` that generated ``output_tokens`` held on
-    average over its decode steps: ceil((prompt + k) / block_size) for k = 1 .. output."""
-    if output_tokens <= 0:
-        return float(-(-prompt_tokens // block_size))
-    total = _blocks_up_to(prompt_tokens + output_tokens, block_size)
-    return (total - _blocks_up_to(prompt_tokens, block_size)) / output_tokens
-
-
 @dataclass(slots=True)
 class _Flight:
     """One request the router sent to this worker, until its stream ends."""
@@ -280,10 +259,6 @@ class WorkerEstimate:
         # KV blocks a running request holds, on average over the load reports with requests
         # running, and the worker's KV cache: how many requests its KV cache runs at once.
         self.blocks_per_running = Ewma()
-        # KV blocks a request holds over its life, averaged over its decode steps, from the
-        # prompt and output tokens of the requests that ended here (the module's rule).
-        self.blocks_per_request = Ewma()
-        self.block_size: int | None = None
         self.kv_total: int | None = None
         # Slots learnt from the timings when none are reported (the module's rule).
         self.slots_guess: int | None = None
@@ -371,9 +346,6 @@ class WorkerEstimate:
         self._slot_time(decode + self.fit.predict(f.prompt_tokens))
         if output_tokens:
             self.decode_per_token.add(decode / output_tokens)
-            if self.block_size:
-                held = life_blocks(f.prompt_tokens, output_tokens, self.block_size)
-                self.blocks_per_request.add(held)
 
     def _slot_time(self, seconds: float) -> None:
         self.service.add(seconds)
@@ -386,14 +358,10 @@ class WorkerEstimate:
         total: int | None = None,
         kv_blocks: int | None = None,
         kv_total: int | None = None,
-        block_size: int | None = None,
     ) -> None:
         """A load report from the engine (each field None when not reported); ``kv_blocks``
-        and ``kv_total``: the KV cache blocks in use and in all; ``block_size``: tokens a
-        block holds."""
+        and ``kv_total``: the KV cache blocks in use and in all."""
         self.waiting, self.active = waiting, active
-        if block_size:
-            self.block_size = block_size
         self.total_slots = total or None
         self.kv_total = kv_total or None
         if active and kv_blocks:
@@ -441,11 +409,9 @@ class WorkerEstimate:
         return self.slots_guess + probe
 
     def kv_slots(self) -> int | None:
-        """How many requests the KV cache runs at once: its blocks over the blocks a request
-        holds, the larger of the load reports' average per running request and the average
-        over a request's life of those that ended (None: not reported, or nothing seen
-        running yet)."""
-        per = max(self.blocks_per_running.get() or 0.0, self.blocks_per_request.get() or 0.0)
+        """How many requests the KV cache runs at once: its blocks over the blocks a running
+        request holds on average (None: not reported, or nothing seen running yet)."""
+        per = self.blocks_per_running.get()
         if not self.kv_total or not per:
             return None
         return max(1, int(self.kv_total / per))
@@ -553,11 +519,6 @@ class WorkerEstimate:
             "gateway_delay_ms": round((self.gateway.get() or 0.0) * 1000, 1),
             "slots": self.slots(now),
             "kv_slots": self.kv_slots(),
-            "kv_blocks_per_request": (
-                None
-                if not self.blocks_per_request.count
-                else round(self.blocks_per_request.value, 2)
-            ),
             "occupancy": self.occupancy(),
             "in_flight": len(self.flights),
             "streaming": self.streaming,

@@ -144,9 +144,7 @@ class DeadlineAdmission:
             total = _sum(r.reported_total_slots for r in ranks)
             blocks = _sum(r.reported_blocks for r in ranks)
             kv_total = _sum(worker.kv_total(r) for r in ranks)
-        self.estimate(worker.worker_id).load(
-            waiting, active, total, blocks, kv_total, worker.block_size
-        )
+        self.estimate(worker.worker_id).load(waiting, active, total, blocks, kv_total)
 
     def engine_ttft(self, worker: Worker, buckets: list[tuple[float, int]]) -> None:
         """The engine's own TTFT buckets of one load report (kept for diagnostics)."""

@@ -46,7 +46,6 @@ from extproc.core.deadline import (
     Reject,
     WorkerEstimate,
     decide,
-    life_blocks,
     pool_wait,
     predict_all,
     predict_ttft,
@@ -679,42 +678,6 @@ def test_slots_are_bounded_by_what_the_kv_cache_runs_even_with_nobody_waiting() 
     small = WorkerEstimate("small")
     small.load(waiting=0, active=2, total=4, kv_blocks=2, kv_total=7)
     assert small.slots(t) == 4  # short requests: the sequences bound it, not the KV
-
-
-@given(
-    st.integers(min_value=0, max_value=3000),
-    st.integers(min_value=0, max_value=2000),
-    st.integers(min_value=1, max_value=300),
-)
-def test_life_blocks_is_the_mean_of_the_blocks_held_at_each_decode_step(
-    prompt: int, output: int, block: int
-) -> None:
-    steps = [-(-(prompt + k) // block) for k in range(1, output + 1)] or [-(-prompt // block)]
-    assert life_blocks(prompt, output, block) == pytest.approx(statistics.fmean(steps))
-
-
-def test_slots_are_bounded_by_the_blocks_a_request_holds_over_its_life() -> None:
-    """An engine that preempts when its cache fills reports the cache over what runs: 4
-    requests of 110 prompt tokens in 6 blocks of 128 read as 1.5 blocks each, 4 slots. They
-    grow to 2 blocks as they decode (64 tokens: 1.72 over their life), so 3 run."""
-    est = WorkerEstimate("w")
-    est.load(waiting=0, active=4, total=4, kv_blocks=6, kv_total=6, block_size=128)
-    assert est.kv_slots() == 4 and est.slots(0.0) == 4
-    t = 0.0
-    for i in range(3):
-        est.dispatched(i, 110, t)
-        est.first_byte(i, t + 0.1)
-        est.ended(i, t + 2.0, output_tokens=64)
-        t += 3.0
-    assert est.blocks_per_request.get() == pytest.approx((18 + 2 * 46) / 64)
-    assert est.kv_slots() == 3 and est.slots(t) == 3
-    assert est.view(t)["kv_blocks_per_request"] == pytest.approx(1.72, abs=0.01)
-    blind = WorkerEstimate("no block size")
-    blind.load(waiting=0, active=4, total=4, kv_blocks=6, kv_total=6)
-    blind.dispatched(0, 110, 0.0)
-    blind.first_byte(0, 0.1)
-    blind.ended(0, 2.0, output_tokens=64)
-    assert blind.blocks_per_request.count == 0 and blind.kv_slots() == 4
 
 
 def test_a_worker_reporting_waiting_but_no_slots_learns_them_and_is_not_gateway_only() -> None:
