@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -84,6 +85,23 @@ def test_proc_keeps_its_output_and_stops_by_pid(tmp_path: Path) -> None:
     assert (tmp_path / "logged.log").read_text() == "to stderr"
     with pytest.raises(ProcessExited, match="logged exited with 0:\nto stderr"):
         logged.check_alive()
+
+
+def test_a_nice_proc_runs_at_that_niceness_under_its_own_pid() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = Proc(
+        "nice",
+        [PYTHON, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+        nice=19,
+    )
+    try:
+        wait_until(lambda: proc.log().strip() != "", 10, "the child's PID")
+        assert int(proc.log()) == proc.pid
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, base + 19)
+    finally:
+        proc.stop()
+    with pytest.raises(ValueError, match="nice: 20 is not a niceness from 0 to 19"):
+        Proc("too nice", [PYTHON, "-c", "pass"], nice=20)
 
 
 def test_wait_until_names_what_it_waited_for() -> None:

@@ -188,7 +188,9 @@ class Proc:
     the child in its own session, so that a terminal's Ctrl-C reaches only this process,
     which then stops its children itself (the demo). ``drop_env`` removes inherited
     variables starting with any of these prefixes before ``env`` is added. ``append_log``
-    keeps what an earlier process of the same name wrote to the log (a restart)."""
+    keeps what an earlier process of the same name wrote to the log (a restart). ``nice``
+    runs it, and the processes it starts, that much lower in CPU priority (``nice -n``; the
+    PID stays the process's own)."""
 
     def __init__(
         self,
@@ -200,7 +202,10 @@ class Proc:
         drop_env: Sequence[str] = (),
         new_session: bool = False,
         append_log: bool = False,
+        nice: int = 0,
     ) -> None:
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice: {nice!r} is not a niceness from 0 to 19")
         self.name = name
         self.log_path: Path | None = log_dir / f"{name}.log" if log_dir else None
         self._log: IO[bytes] = (
@@ -213,7 +218,7 @@ class Proc:
             k: v for k, v in os.environ.items() if not any(k.startswith(p) for p in drop_env)
         }
         self.popen = subprocess.Popen(
-            list(args),
+            ["nice", "-n", str(nice), *args] if nice else list(args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**inherited, **(env or {})},

@@ -132,7 +132,8 @@ class VllmServer(Proc):
     that many requests wait; ``kv_events`` is a ZMQ endpoint (``tcp://127.0.0.1:PORT``,
     bound by the subscriber) for vLLM's KV events. ``cpus`` binds its compute threads to
     those CPUs (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``; vLLM's default
-    binds to the first CPUs, so two engines would share them). ``extra`` goes at the end.
+    binds to the first CPUs, so two engines would share them). ``nice`` lowers its CPU
+    priority and its engine's (:class:`Proc`). ``extra`` goes at the end.
     ``wait`` False returns at once (then :meth:`wait_ready`), to start several together.
     """
 
@@ -149,6 +150,7 @@ class VllmServer(Proc):
         max_num_queued_reqs: int | None = None,
         kv_events: str | None = None,
         cpus: str | None = None,
+        nice: int = 0,
         extra: Sequence[str] = (),
         ready_timeout: float = 300.0,
         wait: bool = True,
@@ -172,7 +174,9 @@ class VllmServer(Proc):
             *extra,
         ]  # fmt: skip
         env = {**ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {})}
-        super().__init__(name, args, log_dir, env, new_session=True, append_log=append_log)
+        super().__init__(
+            name, args, log_dir, env, new_session=True, append_log=append_log, nice=nice
+        )
         if wait:
             self.wait_ready(ready_timeout)
 

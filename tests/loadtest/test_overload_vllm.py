@@ -178,10 +178,12 @@ def test_each_engines_counter_is_read_from_its_own_page() -> None:
         workers.servers = [SimpleNamespace(url=u) for u in urls]  # type: ignore[misc]
         async with aiohttp.ClientSession() as session:
             seen["counters"] = await workers.preemptions(session)
+            seen["by_id"] = await workers.preempted(session)
             seen["load"] = await workers.load(session)
 
     asyncio.run(_serve([real, second], read))
     assert seen["counters"] == [1.0, 5.0]
+    assert seen["by_id"] == {"vllm-1": 1.0, "vllm-2": 5.0}
     load = seen["load"]
     assert load.preemptions == 6.0
     assert (load.running, load.waiting) == (6.0, 2.0)
