@@ -103,6 +103,8 @@ class PhasedRun:
     slowed: tuple[float, float] = (0.0, 0.0)  # when the slowdown was set and lifted
     slow_worker: str = ""  # the id of the worker slowed down
     cutoff: float = 0.0
+    # Per worker id: the requests its engine preempted during the run (engines that count).
+    preempted: dict[str, int] = field(default_factory=dict)
 
 
 async def run_phases(
@@ -154,6 +156,7 @@ async def run_phases(
         rate = phase.load * capacity
         times = given_count(rate, phase.seconds, 0.0, rng)
         phases.append(poisson(rate, phase.seconds, grace, rng, launch, t0 + start, times))
+    preempted_before = await stack.engines.preempted(session)
     stop = asyncio.Event()
     samplers = [
         asyncio.create_task(_sample_debug(session, stack, t0, run, stop)),
@@ -170,6 +173,10 @@ async def run_phases(
             slowdown.cancel()
         await asyncio.gather(slowdown, return_exceptions=True)
         await stack.engines.slowdown(session, plan.slow_worker, 1.0)
+    preempted_after = await stack.engines.preempted(session)
+    run.preempted = {
+        wid: int(after - preempted_before.get(wid, 0.0)) for wid, after in preempted_after.items()
+    }
     # The phases' cut-offs are relative to their own starts.
     run.cutoff = max(c + s for c, s in zip(cutoffs, plan.starts(), strict=True))
     for req in run.requests:

@@ -147,6 +147,7 @@ def _workers(m: ModeResult) -> str:
         f"{wid}: {num(w.get('admitted'))} admitted, predicted TTFT "
         f"{num(w.get('predicted_ttft_ms'), ' ms')}, slots {num(w.get('slots'))}, occupancy "
         f"{num(w.get('occupancy'))}"
+        + ("" if w.get("preempted") is None else f", {num(w.get('preempted'))} preempted")
         for wid, w in m.workers.items()
     )
 
@@ -476,7 +477,8 @@ Why requests were refused, per mode:
 
 Per worker and mode: attempts it answered 200, and the means over the run of what \
 `/debug/workers` showed for it every 0.5 s under deadline admission (its predicted TTFT, the \
-slots it counts, its occupancy; "—" where not shown):
+slots it counts, its occupancy; "—" where not shown), and the requests its engine preempted \
+in the mode's run (engines that count them):
 
 {workers}
 

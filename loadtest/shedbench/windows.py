@@ -295,6 +295,8 @@ def _per_worker(run: PhasedRun, admitted: list[Outcome]) -> dict[str, dict[str, 
             "slots": _mean(slots),
             "occupancy": _mean(occupancy),
         }
+        if wid in run.preempted:
+            out[wid]["preempted"] = float(run.preempted[wid])
     return out
 
 

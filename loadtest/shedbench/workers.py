@@ -77,6 +77,11 @@ class Workers(Protocol):
         in seconds (``inf`` last), summed over its ranks."""
         ...
 
+    async def preempted(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        """Per worker id: the requests its engine has preempted so far (a counter), for
+        the engines that count them (an engine that never preempts is left out)."""
+        ...
+
     async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
         """Make worker ``index`` (in the order of :attr:`ports`) ``factor`` times slower
         (1: its normal pace)."""
@@ -152,6 +157,13 @@ class SimWorkers:
                     le = float(s.labels["le"])
                     counts[le] = counts.get(le, 0.0) + float(s.value)
             out[wid] = sorted(counts.items())
+        return out
+
+    async def preempted(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for wid, port in zip(self.ids, self._ports, strict=True):
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                out[wid] = metric_sums(await resp.text()).get("vllm:num_preemptions_total", 0.0)
         return out
 
     async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:
@@ -247,6 +259,10 @@ class LlamaWorkers:
 
     async def ttft_buckets(self, session: aiohttp.ClientSession) -> dict[str, Buckets]:
         """llama-server prints no TTFT histogram: no engine-reported source."""
+        return {}
+
+    async def preempted(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        """llama-server gives each request a slot of its own context: it never preempts."""
         return {}
 
     async def slowdown(self, session: aiohttp.ClientSession, index: int, factor: float) -> None:

@@ -274,6 +274,8 @@ def test_every_mode_runs_every_phase_from_the_same_arrivals(
         served = sum(w["admitted"] for w in m["workers"].values())
         # The series covers the phases; a few retries are answered in the grace after them.
         assert sum(s["admitted"] for s in m["seconds"]) <= served <= attempts
+        # The simulated engines count their preemptions (vllm:num_preemptions_total).
+        assert all(w["preempted"] >= 0 for w in m["workers"].values())
     off, shipped = modes["off"]["phases"], modes["shipped"]["phases"]
     assert all(p["rejected_attempts"] == 0 and p["admitted_first"] == p["requests"] for p in off)
     # 10x against thresholds: refused, and retried like the OpenAI SDK (at most 3 attempts).
