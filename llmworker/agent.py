@@ -141,6 +141,21 @@ def _prefill_estimate(stats: RankStats) -> int | None:
     return None
 
 
+def _blocks_up_to(tokens: int, block_size: int) -> int:
+    """The sum over t = 1 .. ``tokens`` of ceil(t / block_size)."""
+    q, r = divmod(tokens, block_size)
+    return block_size * q * (q + 1) // 2 + r * (q + 1)
+
+
+def life_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> float:
+    """KV blocks a request of ``prompt_tokens`` that generates ``output_tokens`` holds on
+    average over its decode steps: ceil((prompt + k) / block_size) for k = 1 .. output."""
+    if output_tokens <= 0:
+        return float(-(-prompt_tokens // block_size))
+    held = _blocks_up_to(prompt_tokens + output_tokens, block_size)
+    return (held - _blocks_up_to(prompt_tokens, block_size)) / output_tokens
+
+
 LENGTH_SAMPLES = 32  # the recent mean lengths: about the last 32 finished requests
 
 
@@ -186,19 +201,18 @@ def kv_slots(
     lengths: tuple[float, float] | None = None,
 ) -> int | None:
     """How many requests a vLLM rank's KV cache runs at once without preempting: its usable
-    blocks over the blocks a request of the mean prompt and output lengths holds at its end,
-    ceil((prompt + output) / block_size) (vLLM's own token counts: ``lengths``, the recent
-    ones, else the means since it started); None when not known yet. vLLM admits up to
-    ``max_num_seqs`` requests while their prompts fit, then preempts one as the others'
-    outputs need new blocks: with 6 usable blocks of 128 tokens, 4 requests of 100 prompt
-    and 64 output tokens fit as they start (1 block each) and not as they end (2 each). The
-    blocks held on average over a request's decode (1.56 here) would allow 3 or 4 as the
-    prompts vary by a few tokens, and 4 preempt."""
+    blocks over the blocks its finished requests held on average over their decode, from
+    their mean prompt and output lengths (vLLM's own token counts: ``lengths``, the recent
+    ones, else the means since it started); None when not known yet.
+    vLLM admits up to ``max_num_seqs`` requests while their prompts fit, then preempts one
+    as the others' outputs need new blocks: with 6 usable blocks of 128 tokens, 4 requests
+    of 100 prompt and 64 output tokens fit as they start (1 block each) and not as they end
+    (2 each)."""
     prompt, output = lengths or (stats.avg_prompt_tokens, stats.avg_output_tokens)
     if engine != "vllm" or not total or prompt is None or not output:
         return None
-    per = -(-round(prompt + output) // block_size)
-    return max(1, usable_blocks(engine, total) // max(1, per))
+    per = life_blocks(round(prompt), round(output), block_size)
+    return max(1, int(usable_blocks(engine, total) / per))
 
 
 def _total_slots(

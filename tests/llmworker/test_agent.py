@@ -386,16 +386,16 @@ def _small_vllm_page(prompt_sum: int, output_sum: int, finished: int) -> str:
 async def test_the_slots_sent_follow_the_lengths_of_the_requests_finished_lately(
     fake_engine: FakeEngine,
 ) -> None:
-    """1000 requests of 100 prompt and 4 output tokens, then 200 of 64 output tokens (which
-    end in a second block of 128): 4 slots, then 3 (vLLM's means since it started, 14
+    """100 requests of 100 prompt and 4 output tokens, then 200 of 64 output tokens (which
+    end in a second block of 128): 4 slots, then 3 (vLLM's means since it started, 44
     output tokens, would still say 4)."""
-    fake_engine.text = _small_vllm_page(1000 * 100, 1000 * 4, 1000)
+    fake_engine.text = _small_vllm_page(100 * 100, 100 * 4, 100)
     sub = Subscriber()
     agent = _agent(fake_engine, sub, "--max-num-seqs", "4")
     await agent.start()
     try:
         assert (await sub.next_of(LoadEvent)).request_total_slots == 4
-        fake_engine.text = _small_vllm_page(1200 * 100, 1000 * 4 + 200 * 64, 1200)
+        fake_engine.text = _small_vllm_page(300 * 100, 100 * 4 + 200 * 64, 300)
         load = await sub.next_of(LoadEvent)
         while load.request_total_slots != 3:
             load = await sub.next_of(LoadEvent)
