@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,59 +156,15 @@ def life_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> floa
     return (held - _blocks_up_to(prompt_tokens, block_size)) / output_tokens
 
 
-LENGTH_SAMPLES = 32  # the recent mean lengths: about the last 32 finished requests
-
-
-class RecentLengths:
-    """The mean prompt and output lengths of about the last :data:`LENGTH_SAMPLES` requests
-    each rank finished, from the differences of vLLM's counters between scrapes (its own
-    means run since it started: requests of another kind, such as short probes, would weigh
-    on them for as long)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[int, tuple[float, float, float]] = {}
-        self.means: dict[int, tuple[float, float]] = {}
-
-    def update(self, snapshot: EngineSnapshot) -> dict[int, tuple[float, float]]:
-        """Takes one scrape; returns (mean prompt, mean output) per rank index, for the ranks
-        with a finished request seen."""
-        for index, stats in enumerate(snapshot.ranks):
-            now = stats.finished_tokens
-            if now is None:
-                continue
-            before = self._seen.get(index)
-            self._seen[index] = now
-            if before is None or now[2] < before[2]:  # first scrape, or the engine restarted
-                before = (0.0, 0.0, 0.0)
-            done = now[2] - before[2]
-            if done <= 0:
-                continue
-            prompt, output = (now[0] - before[0]) / done, (now[1] - before[1]) / done
-            old = self.means.get(index)
-            if old is None:
-                self.means[index] = (prompt, output)
-            else:
-                w = min(1.0, done / LENGTH_SAMPLES)
-                self.means[index] = (old[0] + w * (prompt - old[0]), old[1] + w * (output - old[1]))
-        return dict(self.means)
-
-
-def kv_slots(
-    stats: RankStats,
-    engine: Engine,
-    block_size: int,
-    total: int | None,
-    lengths: tuple[float, float] | None = None,
-) -> int | None:
+def kv_slots(stats: RankStats, engine: Engine, block_size: int, total: int | None) -> int | None:
     """How many requests a vLLM rank's KV cache runs at once without preempting: its usable
     blocks over the blocks its finished requests held on average over their decode, from
-    their mean prompt and output lengths (vLLM's own token counts: ``lengths``, the recent
-    ones, else the means since it started); None when not known yet.
+    their mean prompt and output lengths (vLLM's own token counts); None when not known yet.
     vLLM admits up to ``max_num_seqs`` requests while their prompts fit, then preempts one
     as the others' outputs need new blocks: with 6 usable blocks of 128 tokens, 4 requests
     of 100 prompt and 64 output tokens fit as they start (1 block each) and not as they end
     (2 each)."""
-    prompt, output = lengths or (stats.avg_prompt_tokens, stats.avg_output_tokens)
+    prompt, output = stats.avg_prompt_tokens, stats.avg_output_tokens
     if engine != "vllm" or not total or prompt is None or not output:
         return None
     per = life_blocks(round(prompt), round(output), block_size)
@@ -216,18 +172,13 @@ def kv_slots(
 
 
 def _total_slots(
-    stats: RankStats,
-    engine: Engine,
-    block_size: int,
-    total: int | None,
-    flag: int | None,
-    lengths: tuple[float, float] | None,
+    stats: RankStats, engine: Engine, block_size: int, total: int | None, flag: int | None
 ) -> int | None:
     """``request_total_slots``: the engine's sequences (its page, else ``--max-num-seqs``),
     no more than its KV cache runs at once (:func:`kv_slots`). Not reported when the
     sequences are not known: the KV cache alone may allow more than the engine runs."""
     seqs = stats.slots_total or flag
-    kv = kv_slots(stats, engine, block_size, total, lengths)
+    kv = kv_slots(stats, engine, block_size, total)
     return seqs if seqs is None or kv is None else min(seqs, kv)
 
 
@@ -235,12 +186,10 @@ def worker_view(
     snapshot: EngineSnapshot,
     settings: AgentSettings,
     proxied_prefill: Sequence[int] | None = None,
-    lengths: Mapping[int, tuple[float, float]] | None = None,
 ) -> WorkerView:
     """Config fields, per-rank loads and queues from one snapshot (docs/worker.md).
 
-    ``proxied_prefill``: the agent's own prompt-token count per rank in proxy mode;
-    ``lengths``: the recent mean prompt and output lengths per rank (:class:`RecentLengths`).
+    ``proxied_prefill``: the agent's own prompt-token count per rank in proxy mode.
     """
     ranks = snapshot.ranks
     engine_block = next((r.block_size for r in ranks if r.block_size), None)
@@ -265,12 +214,7 @@ def worker_view(
             num_requests_waiting=stats.requests_waiting,
             request_active_slots=stats.slots_active,
             request_total_slots=_total_slots(
-                stats,
-                snapshot.engine,
-                block_size,
-                total,
-                settings.max_num_seqs,
-                (lengths or {}).get(dp_rank),
+                stats, snapshot.engine, block_size, total, settings.max_num_seqs
             ),
         )
     return WorkerView(
@@ -324,8 +268,6 @@ class Agent:
         self.proxy: EngineProxy | None = None
         self.publisher: EventPublisher | None = None
         self.snapshot: EngineSnapshot | None = None
-        self.lengths = RecentLengths()
-        self._recent: dict[int, tuple[float, float]] = {}
         # The engine's cumulative TTFT histogram per rank at the previous scrape.
         self._ttft_seen: dict[int, tuple[tuple[float, float], ...]] = {}
         self.endpoint = settings.endpoint or ""
@@ -441,7 +383,6 @@ class Agent:
         self._state, self._down_since = "ok", None
         self.snapshot = snapshot
         self._kv_anchor = marks
-        self._recent = self.lengths.update(snapshot)
         await self._publish(snapshot)
 
     async def _read_engine(self) -> EngineSnapshot:
@@ -511,7 +452,7 @@ class Agent:
 
     def _view(self, snapshot: EngineSnapshot) -> WorkerView:
         proxied = self.ledger.per_rank() if self.proxy is not None else None
-        view = worker_view(snapshot, self.settings, proxied, self._recent)
+        view = worker_view(snapshot, self.settings, proxied)
         if self.kv_events is None:
             return view
         return with_stored_blocks(view, snapshot.engine, self.kv_events_since_scrape())

@@ -59,9 +59,6 @@ class RankStats:
     prefill_tokens: int | None = None  # a direct "tokens waiting for prefill" gauge
     avg_prompt_tokens: float | None = None  # mean prompt length of finished requests
     avg_output_tokens: float | None = None  # mean output length of finished requests
-    # The counters behind those means (prompt tokens, output tokens, requests finished), for
-    # the means of the requests finished between two scrapes; None: not printed.
-    finished_tokens: tuple[float, float, float] | None = field(default=None, compare=False)
     num_preemptions: int | None = None  # cumulative preemptions / retractions
     # The engine's queue and sequence slots, as the load event carries them: requests queued
     # at the engine and not running yet; sequences running; the most sequences the rank runs
@@ -235,14 +232,6 @@ def ttft_delta(
     return out
 
 
-def _finished(
-    prompt_sum: float | None, output_sum: float | None, count: float | None
-) -> tuple[float, float, float] | None:
-    if prompt_sum is None or output_sum is None or count is None:
-        return None
-    return (prompt_sum, output_sum, count)
-
-
 def _mean(total: float | None, count: float | None) -> float | None:
     if total is None or count is None or count <= 0:
         return None
@@ -304,7 +293,6 @@ def parse_vllm(text: str) -> EngineSnapshot:
                 avg_prompt_tokens=_mean(hist_sum.get(r), hist_count.get(r))
                 or _mean(prompt_total.get(r), finished.get(r)),
                 avg_output_tokens=_mean(out_sum.get(r), out_count.get(r)),
-                finished_tokens=_finished(hist_sum.get(r), out_sum.get(r), out_count.get(r)),
                 num_preemptions=_count("vllm:num_preemptions_total", preempted.get(r)),
                 requests_waiting=_count("vllm:num_requests_waiting", waiting.get(r)),
                 slots_active=_count("vllm:num_requests_running", running.get(r)),

@@ -366,45 +366,6 @@ async def test_the_queue_and_slots_of_each_rank_go_out_with_its_load(
         sub.close()
 
 
-def _small_vllm_page(prompt_sum: int, output_sum: int, finished: int) -> str:
-    """A vLLM with 7 blocks of 128 tokens (6 usable) and its finished requests' counters."""
-    return "\n".join(
-        [
-            'vllm:kv_cache_usage_perc{engine="0"} 0.0',
-            'vllm:num_requests_running{engine="0"} 0',
-            'vllm:num_requests_waiting{engine="0"} 0',
-            'vllm:cache_config_info{engine="0",num_gpu_blocks="7",block_size="128"} 1',
-            f'vllm:request_prompt_tokens_sum{{engine="0"}} {prompt_sum}',
-            f'vllm:request_prompt_tokens_count{{engine="0"}} {finished}',
-            f'vllm:request_generation_tokens_sum{{engine="0"}} {output_sum}',
-            f'vllm:request_generation_tokens_count{{engine="0"}} {finished}',
-            "",
-        ]
-    )
-
-
-async def test_the_slots_sent_follow_the_lengths_of_the_requests_finished_lately(
-    fake_engine: FakeEngine,
-) -> None:
-    """100 requests of 100 prompt and 4 output tokens, then 200 of 64 output tokens (which
-    end in a second block of 128): 4 slots, then 3 (vLLM's means since it started, 44
-    output tokens, would still say 4)."""
-    fake_engine.text = _small_vllm_page(100 * 100, 100 * 4, 100)
-    sub = Subscriber()
-    agent = _agent(fake_engine, sub, "--max-num-seqs", "4")
-    await agent.start()
-    try:
-        assert (await sub.next_of(LoadEvent)).request_total_slots == 4
-        fake_engine.text = _small_vllm_page(300 * 100, 100 * 4 + 200 * 64, 300)
-        load = await sub.next_of(LoadEvent)
-        while load.request_total_slots != 3:
-            load = await sub.next_of(LoadEvent)
-        assert agent.lengths.means[0] == pytest.approx((100.0, 64.0))
-    finally:
-        await agent.stop()
-        sub.close()
-
-
 # --- the agent as a process, against the simulated engine ---------------------------------
 
 

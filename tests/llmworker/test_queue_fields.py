@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.events.schema import ConfigEvent, LoadEvent
-from llmworker.agent import RankLoad, RankQueue, RecentLengths, life_blocks, worker_view
+from llmworker.agent import RankLoad, RankQueue, life_blocks, worker_view
 from llmworker.agent_settings import AgentSettings, parse_args
 from llmworker.engine_metrics import Engine, parse_engine_metrics
 from llmworker.llamacpp import parse_llamacpp
@@ -152,34 +152,6 @@ def test_vllm_slots_are_what_its_kv_cache_runs_without_preempting() -> None:
     # Nothing finished yet: no lengths, no KV bound.
     fresh = parse_engine_metrics("vllm", _vllm_page(7, 0, 0, 0))
     assert worker_view(fresh, _settings("--max-num-seqs", "4")).queues == {0: RankQueue(1, 3, 4)}
-
-
-def test_vllm_slots_follow_the_recent_lengths_not_the_means_since_it_started() -> None:
-    """100 short probes (4 output tokens), then 80 requests of 64: vLLM's own means stay near
-    the probes' (1 block each: 4 slots) long after; the last 32 or so finished requests say
-    3. After an engine restart (counters going down) its counts are new requests."""
-    recent = RecentLengths()
-    settings = _settings("--max-num-seqs", "4")
-
-    def scrape(prompt_sum: float, output_sum: float, finished: int) -> RankQueue:
-        snapshot = parse_engine_metrics("vllm", _vllm_page(7, prompt_sum, output_sum, finished))
-        return worker_view(snapshot, settings, None, recent.update(snapshot)).queues[0]
-
-    assert scrape(0, 0, 0).request_total_slots == 4  # nothing finished: max_num_seqs
-    assert recent.means == {}
-    assert scrape(100 * 100, 100 * 4, 100).request_total_slots == 4
-    assert recent.means[0] == pytest.approx((100.0, 4.0))
-    p, o, n = 100 * 100, 100 * 4, 100
-    for _ in range(16):  # 16 scrapes of 5 requests of 64 output tokens
-        p, o, n = p + 5 * 100, o + 5 * 64, n + 5
-        last = scrape(p, o, n)
-    assert recent.means[0][1] > 56 and last.request_total_slots == 3
-    since_start = worker_view(parse_engine_metrics("vllm", _vllm_page(7, p, o, n)), settings)
-    assert o / n < 31 and since_start.queues[0].request_total_slots == 4
-    # Restarted: its counters start again from 0; its 3 requests count as 3 more.
-    before = recent.means[0][1]
-    scrape(100 * 3, 4 * 3, 3)
-    assert recent.means[0][1] == pytest.approx(before + 3 / 32 * (4 - before))
 
 
 # --- SGLang ---------------------------------------------------------------------------------
