@@ -162,7 +162,7 @@ def kv_slots(stats: RankStats, engine: Engine, block_size: int, total: int | Non
     their mean prompt and output lengths (vLLM's own token counts); None when not known yet.
     vLLM admits up to ``max_num_seqs`` requests while their prompts fit, then preempts one
     as the others' outputs need new blocks: with 6 usable blocks of 128 tokens, 4 requests
-    of 100 prompt and 64 output tokens fit as they start (1 block each) and not as they end
+    of 110 prompt and 64 output tokens fit as they start (1 block each) and not as they end
     (2 each)."""
     prompt, output = stats.avg_prompt_tokens, stats.avg_output_tokens
     if engine != "vllm" or not total or prompt is None or not output:

@@ -133,12 +133,12 @@ def _vllm_page(blocks: int, prompt_sum: float, output_sum: float, finished: int)
 
 
 def test_vllm_slots_are_what_its_kv_cache_runs_without_preempting() -> None:
-    """6 usable blocks of 128 tokens (7 with vLLM's null block); requests of 100 prompt and
-    64 output tokens hold 1 block, then 2 (1.56 over their decode): 3 run at once, not the 4
+    """6 usable blocks of 128 tokens (7 with vLLM's null block); requests of 110 prompt and
+    64 output tokens hold 1 block, then 2 (1.72 over their decode): 3 run at once, not the 4
     of ``max_num_seqs``."""
-    page = _vllm_page(7, 20 * 100, 20 * 64, 20)
+    page = _vllm_page(7, 20 * 110, 20 * 64, 20)
     rank = parse_engine_metrics("vllm", page).ranks[0]
-    assert (rank.avg_prompt_tokens, rank.avg_output_tokens) == (100.0, 64.0)
+    assert (rank.avg_prompt_tokens, rank.avg_output_tokens) == (110.0, 64.0)
     assert worker_view(
         parse_engine_metrics("vllm", page), _settings("--max-num-seqs", "4")
     ).queues == {0: RankQueue(1, 3, 3)}
