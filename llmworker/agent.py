@@ -141,47 +141,6 @@ def _prefill_estimate(stats: RankStats) -> int | None:
     return None
 
 
-def _blocks_up_to(tokens: int, block_size: int) -> int:
-    """The sum over t = 1 .. ``tokens`` of ceil(t / block_size)."""
-    q, r = divmod(tokens, block_size)
-    return block_size * q * (q + 1) // 2 + r * (q + 1)
-
-
-def life_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> float:
-    """KV blocks a request of ``prompt_tokens`` that generates ``output_tokens`` holds on
-    average over its decode steps: ceil((prompt + k) / block_size) for k = 1 .. output."""
-    if output_tokens <= 0:
-        return float(-(-prompt_tokens // block_size))
-    held = _blocks_up_to(prompt_tokens + output_tokens, block_size)
-    return (held - _blocks_up_to(prompt_tokens, block_size)) / output_tokens
-
-
-def kv_slots(stats: RankStats, engine: Engine, block_size: int, total: int | None) -> int | None:
-    """How many requests a vLLM rank's KV cache runs at once without preempting: its usable
-    blocks over the blocks its finished requests held on average over their decode, from
-    their mean prompt and output lengths (vLLM's own token counts); None when not known yet.
-    vLLM admits up to ``max_num_seqs`` requests while their prompts fit, then preempts one
-    as the others' outputs need new blocks: with 6 usable blocks of 128 tokens, 4 requests
-    of 110 prompt and 64 output tokens fit as they start (1 block each) and not as they end
-    (2 each)."""
-    prompt, output = stats.avg_prompt_tokens, stats.avg_output_tokens
-    if engine != "vllm" or not total or prompt is None or not output:
-        return None
-    per = life_blocks(round(prompt), round(output), block_size)
-    return max(1, int(usable_blocks(engine, total) / per))
-
-
-def _total_slots(
-    stats: RankStats, engine: Engine, block_size: int, total: int | None, flag: int | None
-) -> int | None:
-    """``request_total_slots``: the engine's sequences (its page, else ``--max-num-seqs``),
-    no more than its KV cache runs at once (:func:`kv_slots`). Not reported when the
-    sequences are not known: the KV cache alone may allow more than the engine runs."""
-    seqs = stats.slots_total or flag
-    kv = kv_slots(stats, engine, block_size, total)
-    return seqs if seqs is None or kv is None else min(seqs, kv)
-
-
 def worker_view(
     snapshot: EngineSnapshot,
     settings: AgentSettings,
@@ -213,9 +172,7 @@ def worker_view(
         queues[dp_rank] = RankQueue(
             num_requests_waiting=stats.requests_waiting,
             request_active_slots=stats.slots_active,
-            request_total_slots=_total_slots(
-                stats, snapshot.engine, block_size, total, settings.max_num_seqs
-            ),
+            request_total_slots=stats.slots_total or settings.max_num_seqs,
         )
     return WorkerView(
         block_size=block_size,

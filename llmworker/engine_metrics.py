@@ -58,7 +58,6 @@ class RankStats:
     block_size: int | None = None  # tokens per KV block (page) as the engine reports it
     prefill_tokens: int | None = None  # a direct "tokens waiting for prefill" gauge
     avg_prompt_tokens: float | None = None  # mean prompt length of finished requests
-    avg_output_tokens: float | None = None  # mean output length of finished requests
     num_preemptions: int | None = None  # cumulative preemptions / retractions
     # The engine's queue and sequence slots, as the load event carries them: requests queued
     # at the engine and not running yet; sequences running; the most sequences the rank runs
@@ -271,8 +270,6 @@ def parse_vllm(text: str) -> EngineSnapshot:
     hist_count = _per_rank_sum(samples.get("vllm:request_prompt_tokens_count", ()), label)
     prompt_total = _per_rank_sum(samples.get("vllm:prompt_tokens_total", ()), label)
     finished = _per_rank_sum(samples.get("vllm:request_success_total", ()), label)
-    out_sum = _per_rank_sum(samples.get("vllm:request_generation_tokens_sum", ()), label)
-    out_count = _per_rank_sum(samples.get("vllm:request_generation_tokens_count", ()), label)
     ttft = _histogram(samples.get("vllm:time_to_first_token_seconds_bucket", ()), label)
     max_batched: int | None = None
     any_max_seqs: int | None = None  # the scheduler's, for every rank
@@ -292,7 +289,6 @@ def parse_vllm(text: str) -> EngineSnapshot:
                 block_size=block_size.get(r),
                 avg_prompt_tokens=_mean(hist_sum.get(r), hist_count.get(r))
                 or _mean(prompt_total.get(r), finished.get(r)),
-                avg_output_tokens=_mean(out_sum.get(r), out_count.get(r)),
                 num_preemptions=_count("vllm:num_preemptions_total", preempted.get(r)),
                 requests_waiting=_count("vllm:num_requests_waiting", waiting.get(r)),
                 slots_active=_count("vllm:num_requests_running", running.get(r)),

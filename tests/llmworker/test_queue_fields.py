@@ -10,11 +10,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from extproc.events.schema import ConfigEvent, LoadEvent
-from llmworker.agent import RankLoad, RankQueue, life_blocks, worker_view
+from llmworker.agent import RankLoad, RankQueue, worker_view
 from llmworker.agent_settings import AgentSettings, parse_args
 from llmworker.engine_metrics import Engine, parse_engine_metrics
 from llmworker.llamacpp import parse_llamacpp
@@ -102,56 +100,6 @@ def test_a_real_vllm_page_gives_every_name_the_agent_relies_on() -> None:
     assert view.queues == {0: RankQueue(1, 3, 4)}
     idle = parse_engine_metrics("vllm", (REAL_VLLM.parent / "vllm_metrics_idle.txt").read_text())
     assert worker_view(idle, _settings("--max-num-seqs", "4")).queues == {0: RankQueue(0, 0, 4)}
-
-
-@given(
-    st.integers(min_value=0, max_value=3000),
-    st.integers(min_value=0, max_value=2000),
-    st.integers(min_value=1, max_value=300),
-)
-def test_life_blocks_is_the_mean_of_the_blocks_held_at_each_decode_step(
-    prompt: int, output: int, block: int
-) -> None:
-    steps = [-(-(prompt + k) // block) for k in range(1, output + 1)] or [-(-prompt // block)]
-    assert life_blocks(prompt, output, block) == pytest.approx(sum(steps) / len(steps))
-
-
-def _vllm_page(blocks: int, prompt_sum: float, output_sum: float, finished: int) -> str:
-    return "\n".join(
-        [
-            'vllm:kv_cache_usage_perc{engine="0"} 0.5',
-            'vllm:num_requests_running{engine="0"} 3',
-            'vllm:num_requests_waiting{engine="0"} 1',
-            f'vllm:cache_config_info{{engine="0",num_gpu_blocks="{blocks}",block_size="128"}} 1',
-            f'vllm:request_prompt_tokens_sum{{engine="0"}} {prompt_sum}',
-            f'vllm:request_prompt_tokens_count{{engine="0"}} {finished}',
-            f'vllm:request_generation_tokens_sum{{engine="0"}} {output_sum}',
-            f'vllm:request_generation_tokens_count{{engine="0"}} {finished}',
-            "",
-        ]
-    )
-
-
-def test_vllm_slots_are_what_its_kv_cache_runs_without_preempting() -> None:
-    """6 usable blocks of 128 tokens (7 with vLLM's null block); requests of 110 prompt and
-    64 output tokens hold 1 block, then 2 (1.72 over their decode): 3 run at once, not the 4
-    of ``max_num_seqs``."""
-    page = _vllm_page(7, 20 * 110, 20 * 64, 20)
-    rank = parse_engine_metrics("vllm", page).ranks[0]
-    assert (rank.avg_prompt_tokens, rank.avg_output_tokens) == (110.0, 64.0)
-    assert worker_view(
-        parse_engine_metrics("vllm", page), _settings("--max-num-seqs", "4")
-    ).queues == {0: RankQueue(1, 3, 3)}
-    # Short requests that stay in one block: max_num_seqs bounds them.
-    short = parse_engine_metrics("vllm", _vllm_page(7, 20 * 30, 20 * 16, 20))
-    assert worker_view(short, _settings("--max-num-seqs", "4")).queues == {0: RankQueue(1, 3, 4)}
-    # No max_num_seqs known: not reported (the cache may hold more than the engine runs).
-    assert worker_view(parse_engine_metrics("vllm", page), _settings()).queues == {
-        0: RankQueue(1, 3, None)
-    }
-    # Nothing finished yet: no lengths, no KV bound.
-    fresh = parse_engine_metrics("vllm", _vllm_page(7, 0, 0, 0))
-    assert worker_view(fresh, _settings("--max-num-seqs", "4")).queues == {0: RankQueue(1, 3, 4)}
 
 
 # --- SGLang ---------------------------------------------------------------------------------
