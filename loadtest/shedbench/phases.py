@@ -128,6 +128,8 @@ async def run_phases(
     requests of at most ``retry.max_attempts`` attempts, everything cancelled
     ``cfg.grace`` seconds after the last phase."""
     run = PhasedRun(slow_worker=stack.engines.ids[plan.slow_worker])
+    # Read before the clock starts: the first arrivals are not delayed by the scrape.
+    preempted_before = await stack.engines.preempted(session)
     total = plan.seconds
     t0 = time.monotonic() + 0.2
     last_retry = total + cfg.grace / 2
@@ -156,7 +158,6 @@ async def run_phases(
         rate = phase.load * capacity
         times = given_count(rate, phase.seconds, 0.0, rng)
         phases.append(poisson(rate, phase.seconds, grace, rng, launch, t0 + start, times))
-    preempted_before = await stack.engines.preempted(session)
     stop = asyncio.Event()
     samplers = [
         asyncio.create_task(_sample_debug(session, stack, t0, run, stop)),

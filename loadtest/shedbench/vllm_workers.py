@@ -67,11 +67,9 @@ class VllmWorkers:
     The engines run at the lowest CPU priority (:attr:`NICE`). vLLM's model worker polls its
     input queue in a busy loop for a second after every step (``SpinCondition`` in vLLM's
     ``shm_broadcast.py``), so on 2 cores the engines would take the CPU that Envoy, the
-    extproc and the clients need, and the clients' TTFT would carry seconds of the
-    machine's queue that a gateway on its own cores, as in production, does not pay.
-    Unloaded, one request at a time through Envoy: 10 % of requests over 300 ms at the
-    default priority, a p99 of about 400 ms at nice 19; straight to the engine, 1 in 60
-    over 150 ms.
+    extproc and the clients need, and the clients' TTFT would carry the machine's queue,
+    which a gateway on cores of its own, as in production, does not pay. The niceness
+    shortens that tail without removing it (docs/latency-target.md, "On vLLM").
     """
 
     count = 2
