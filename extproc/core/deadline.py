@@ -130,9 +130,7 @@ Pure: plain values, times passed in, no I/O.
 
 from __future__ import annotations
 
-import heapq
 import math
-from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -156,13 +154,6 @@ WAIT_Z = 1.28
 PREFILL_MARGIN = 2.0
 MAX_RETRY_AFTER = 60
 ROUNDING = 1e-9  # a wait of 0.7000000000000002 s is 700 ms, not 701
-
-# A running request for :func:`first_end`: its age (None: its start is unknown), its worker's
-# recent slot times (sorted) and mean service time (s).
-Running = tuple[float | None, Sequence[float], float]
-# The survival levels of the first slot's end that a prediction reads: its 10th percentile,
-# median and 90th percentile.
-FIRST_END_LEVELS = (0.9, 0.5, 0.1)
 
 # Names of the inputs, as /debug/workers lists the missing ones.
 WAITING = "num_requests_waiting"
@@ -255,7 +246,6 @@ class WorkerEstimate:
         self.fit = PrefillFit()
         self.service = Ewma()
         self.slot_times: deque[float] = deque(maxlen=EWMA_SAMPLES)  # the recent ones, raw
-        self.sorted_slot_times: list[float] = []  # the same, sorted
         self.gateway = Ewma()
         self.decode_per_token = Ewma()  # s per output token, for diagnostics
         self.prompt_tokens = Ewma()  # the typical prompt, for diagnostics
@@ -359,10 +349,7 @@ class WorkerEstimate:
 
     def _slot_time(self, seconds: float) -> None:
         self.service.add(seconds)
-        if len(self.slot_times) == self.slot_times.maxlen:
-            del self.sorted_slot_times[bisect_left(self.sorted_slot_times, self.slot_times[0])]
         self.slot_times.append(seconds)
-        insort(self.sorted_slot_times, seconds)
 
     def load(
         self,
@@ -445,17 +432,11 @@ class WorkerEstimate:
 
     def ages(self, now: float) -> list[float]:
         """How long each request running on the worker now has held its slot (the
-        module's rule), an unknown start taken as just started."""
-        return [0.0 if a is None else a for a in self.known_ages(now)]
-
-    def known_ages(self, now: float) -> list[float | None]:
-        """How long each request running on the worker now has held its slot: the router's
-        in flight in dispatch order, as many as run (the others wait at the engine), then
-        the engine's others; None where its start is unknown (it waited for a slot at the
-        engine, or another client sent it)."""
+        module's rule): the router's in flight in dispatch order, as many as run (the
+        others wait at the engine), then the engine's others, taken as just started."""
         slots = self.slots(now)
         running = self.occupancy() if slots is None else min(slots, self.occupancy())
-        out: list[float | None] = []
+        out: list[float] = []
         for f in self.flights.values():  # in dispatch order
             if len(out) >= running:
                 break
@@ -464,15 +445,9 @@ class WorkerEstimate:
             elif f.free:
                 out.append(max(0.0, now - f.dispatched))
             else:
-                out.append(None)  # it waited for a slot at the engine: its start is unknown
-        out.extend([None] * (running - len(out)))
+                out.append(0.0)  # it waited for a slot at the engine: its start is unknown
+        out.extend([0.0] * (running - len(out)))
         return out
-
-    def running_ends(self, now: float) -> list[Running]:
-        """Each running request's age with this worker's recent slot times and mean service:
-        what :func:`first_end` takes."""
-        service = self.service.get() or 0.0
-        return [(a, self.sorted_slot_times, service) for a in self.known_ages(now)]
 
     def rate_now(self, now: float) -> float | None:
         """Requests a full worker is expected to complete per second from now, given how
@@ -602,9 +577,10 @@ def predict_ttft(
     else:
         ahead = occupancy + held_ahead - slots
         rate = est.rate_now(now)
-        wait = None
+        wait = None if rate is None else (ahead + 1) / rate
         if rate is not None:
-            wait, wait_spread, wait_low = slot_wait(est.running_ends(now), ahead + 1, rate)
+            wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
+            wait_low = (ahead + 1 - gamma_low(ahead + 1)) / rate
         prefill = est.fit.predict(prompt_tokens + (est.shared.get() or 0.0))
     return Prediction(
         est.worker,
@@ -629,78 +605,6 @@ def gamma_low(n: float) -> float:
     if n <= 0:
         return 0.0
     return n * max(0.0, 1.0 - 1.0 / (9.0 * n) - WAIT_Z / (3.0 * math.sqrt(n))) ** 3
-
-
-def first_end(running: Sequence[Running]) -> tuple[float, float, float] | None:
-    """The 10th percentile, median and 90th percentile of the time until the first of the
-    ``running`` requests ends (the module's rule); None when none of them can be expected to
-    end (nothing running, nothing measured).
-
-    Each request's remaining time is independent of the others': for one of age ``a`` on a
-    worker whose recent slot times are ``x_1 <= ... <= x_m``, the chance it runs past
-    ``a + t`` is ``(#{x_j > a + t} + 1) / (#{x_j > a} + 1)``, and once ``a + t`` is past
-    ``x_m`` it ends at ``1 / x_m`` a second. The ``+ 1`` is the chance the request is longer
-    than every recent one (with ``k`` samples beyond its age, ``1 / (k + 1)``), so a tail
-    of few samples is not taken for certain. A request already past ``x_m`` ends at
-    ``1 / a`` a second, and one whose start is unknown at ``1 / service``: both as the
-    memoryless rate of :meth:`WorkerEstimate.rate_now`. The first end survives ``t`` with
-    the product of their chances, a step function times an exponential: swept from ``t = 0``
-    in the order the steps come until it falls below each level."""
-    hazard = 0.0
-    steps: list[tuple[float, int, int]] = []  # (time, request, index of its next sample)
-    left: list[int] = []  # per request: 1 + its samples not yet passed
-    for i, (age, xs, service) in enumerate(running):
-        left.append(0)
-        if age is None or not xs:
-            hazard += 1.0 / service if service > 0 else 0.0
-        elif age >= xs[-1]:
-            hazard += 1.0 / age
-        else:
-            j = bisect_right(xs, age)
-            left[i] = len(xs) - j + 1
-            steps.append((xs[j] - age, i, j))
-    heapq.heapify(steps)
-    survive, t0 = 1.0, 0.0
-    out: list[float] = []
-    for level in FIRST_END_LEVELS:
-        while survive > level:
-            t1 = steps[0][0] if steps else math.inf
-            if hazard > 0:
-                hit = t0 + math.log(survive / level) / hazard
-                if hit <= t1:
-                    out.append(hit)
-                    break
-            elif not steps:
-                return None
-            survive *= math.exp(-hazard * (t1 - t0))
-            t0 = t1
-            _, i, j = heapq.heappop(steps)
-            survive *= (left[i] - 1) / left[i]
-            left[i] -= 1
-            age, xs, _ = running[i]
-            if left[i] == 1:
-                hazard += 1.0 / xs[-1]  # past every recent slot time
-            else:
-                heapq.heappush(steps, (xs[j + 1] - (age or 0.0), i, j + 1))
-        else:
-            out.append(t0)
-    return out[0], out[1], out[2]
-
-
-def slot_wait(running: Sequence[Running], n: float, rate: float) -> tuple[float, float, float]:
-    """(wait, spread, low) of the ``n``-th slot to free among ``running`` and the requests
-    that take their slots, completing ``rate`` a second in all: the first end from
-    :func:`first_end` (its median; its 90th percentile less the median; the median less its
-    10th percentile), then ``n - 1`` more at ``rate`` (Gamma(n - 1, rate)); the two spreads
-    added in quadrature. Without a first end, all ``n`` at ``rate``."""
-    first = first_end(running)
-    if first is None:
-        return n / rate, WAIT_Z * math.sqrt(n) / rate, (n - gamma_low(n)) / rate
-    low, median, high = first
-    more = max(0.0, n - 1)
-    spread = math.hypot(high - median, WAIT_Z * math.sqrt(more) / rate)
-    below = math.hypot(median - low, (more - gamma_low(more)) / rate)
-    return median + more / rate, spread, below
 
 
 @dataclass(frozen=True, slots=True)
@@ -760,27 +664,21 @@ def predict_all(
     a worker that frees one by the pool's wait is predicted at that wait (its spread from the
     completions the pool needs at its rate in all); the others at their own next free slot."""
     pool = pool_wait(estimates, held_ahead, now)
-    ends: tuple[float, float, float] | None = None  # the pool's (wait, spread, low)
     out = []
     for est in estimates:
         if pool is None or est.worker not in pool.backlog:
             out.append(predict_ttft(est, prompt_tokens, 0 if pool else held_ahead, now))
             continue
-        if ends is None:
-            used = [e for e in estimates if e.worker in pool.backlog]
-            ends = slot_wait(
-                [r for e in used for r in e.running_ends(now)], pool.completions, pool.rate
-            )
         p = predict_ttft(est, prompt_tokens, 0, now)
-        wait, spread, low = ends
+        wait = pool.seconds
         out.append(
             replace(
                 p,
                 ttft=wait + p.prefill + p.gateway,
                 wait=wait,
                 ahead=pool.backlog[est.worker] + held_ahead,
-                wait_spread=spread,
-                wait_low=low,
+                wait_spread=WAIT_Z * math.sqrt(pool.completions) / pool.rate,
+                wait_low=(pool.completions - gamma_low(pool.completions)) / pool.rate,
             )
         )
     return out

@@ -614,9 +614,7 @@ def test_the_wait_counts_the_engine_queue_the_router_and_the_held() -> None:
     p = predict_ttft(est, 1000, 1, t)
     assert p.ahead == 3  # 2 waiting at the engine + 1 held ahead
     assert p.wait is not None
-    # The 4 just started end when the recent requests did, 2 s on: the first slot frees
-    # then; the 2 waiting at the engine, the held one and this one at 2 per second after it.
-    assert p.wait == pytest.approx(2.0 + 3 / 2.0, rel=0.01)
+    assert p.wait == pytest.approx(4 / 2.0, rel=0.01)  # the 4th completion, at 2 per second
     assert p.gateway == pytest.approx(0.01)
     assert p.ttft == pytest.approx(p.wait + p.prefill + p.gateway)
     # It will start beside others' prefills: those the last requests started with (the 4 sent
@@ -750,17 +748,12 @@ def test_held_requests_go_to_whichever_worker_frees_first() -> None:
     slow, _ = full_worker("slow", 4, 4.0)  # 1 per second
     first = pool_wait([fast, slow], 0, t)  # none held: the first slot either frees
     assert first is not None and first.seconds == pytest.approx(1 / 5, rel=0.02)
-    # 10 slots needed at 5 per second: 2 s; the fast worker frees 8 of them, the slow 2.
-    pool = pool_wait([fast, slow], 9, t)
-    assert pool is not None and pool.seconds == pytest.approx(2.0, rel=0.02)
-    assert set(pool.backlog) == {"fast", "slow"}
-    # The requests all just started: the first slot frees when the fast worker's end (1 s,
-    # as its recent ones), then 9 more at 5 per second.
     preds = predict_all([fast, slow], 1000, 9, t)
-    assert preds[0].wait == pytest.approx(1.0 + 9 / 5, rel=0.02)
-    assert preds[1].wait == pytest.approx(1.0 + 9 / 5, rel=0.02)
+    # 10 slots needed at 5 per second: 2 s; the fast worker frees 8 of them, the slow 2.
+    assert preds[0].wait == pytest.approx(2.0, rel=0.02)
+    assert preds[1].wait == pytest.approx(2.0, rel=0.02)
     alone = predict_ttft(fast, 1000, 9, t)
-    assert alone.wait == pytest.approx(1.0 + 9 / 4, rel=0.02)  # as if the fast one took all
+    assert alone.wait == pytest.approx(10 / 4, rel=0.02)  # as if the fast one took them all
     # Free slots for the held request ahead and for this one: no wait, it starts now.
     free, _ = full_worker("free", 4, 1.0)
     free.ended(0, t + 0.1)
@@ -776,8 +769,7 @@ def test_one_worker_waits_for_its_backlog_and_every_held_request(held: int, back
     for j in range(backlog):
         est.dispatched(("b", j), 1000, t)
     [p] = predict_all([est], 1000, held, t)
-    # Its 3 just started end at 1.5 s, as the recent ones; then the rest at 2 per second.
-    assert p.wait == pytest.approx(1.5 + (backlog + held) / 2.0, rel=0.01)
+    assert p.wait == pytest.approx((backlog + held + 1) / 2.0, rel=0.01)
     assert p.wait == pytest.approx(predict_ttft(est, 1000, held, t).wait)
 
 
@@ -800,10 +792,8 @@ def test_the_smallest_predicted_wait_is_when_the_workers_have_freed_enough_slots
         for j in range(backlog):
             est.dispatched(("b", j), 1000, t)
         ests.append(est)
-    pool = pool_wait(ests, held, t)
-    assert pool is not None
-    first = pool.seconds
     preds = predict_all(ests, 1000, held, t)
+    first = min(p.wait for p in preds if p.wait is not None)
     freed = 0.0
     for e in ests:
         rate, total = e.rate_now(t), e.total_slots  # its rate given its requests' ages
@@ -852,8 +842,6 @@ def test_held_behind_long_generations_without_their_ages_waits_to_its_deadline(
     """The control of the test above: with the rate of the recent completions alone, the
     short requests are held and answered only at (or near) their deadline."""
     monkeypatch.setattr(WorkerEstimate, "rate_now", WorkerEstimate.rate)
-    ages = WorkerEstimate.known_ages
-    monkeypatch.setattr(WorkerEstimate, "known_ages", lambda e, now: [None] * len(ages(e, now)))
     _, during, _ = long_generations(Admitting())
     late = [r for r in during if (r.decision_delay or 0.0) > 0.5 * TARGET]
     assert len(late) >= 0.9 * len(during), [(r.outcome, r.decision_delay) for r in during]
