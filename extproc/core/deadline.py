@@ -26,22 +26,18 @@ router ahead of it::
   requests sent to them waited at the engine: on simulated workers at the capacity at
   target, admitted requests spent a median 400 ms in the worker against a 150 ms target.
   Requests waiting are not taken to mean the worker is full: an engine also keeps waiting
-  the prompts its step's token budget cannot take yet, for one step. A worker that reports
-  requests waiting while fewer than its slots run is taken to run no more than it runs now
-  (``request_active_slots``) when it reports no KV cache, or when its cache has no room left
-  for another request of the running ones' average size (fewer free blocks than a running
-  request holds): then the requests wait for blocks, not for a step (vLLM short of KV cache
-  keeps 3 of its 4 sequences running and the 4th waiting), and a request sent to the slot it
-  does not run waits at the engine for the next completion, behind the one already waiting.
-  A worker that does not report its slots learns them from the gateway's timings: they are
-  the smallest occupancy at which a request the router sent to a presumed free slot was seen
-  queueing (its first byte came later than ``QUEUE_FACTOR`` x its predicted prefill +
-  ``QUEUE_MARGIN``), raised to the most requests seen running at once (streaming together,
-  or ``request_active_slots``); every ``PROBE_EVERY`` seconds one request may go past them
-  to find out whether the worker runs more. Before any request queued, such a worker is
-  never full, as the busy rule alone would have it. A worker that reports no slots and no
-  waiting count is flagged ``gateway_only``: its prediction comes from the router's own
-  timings alone.
+  the prompts its step's token budget cannot take yet, for one step. Only a worker that
+  reports no KV cache, and reports requests waiting while fewer than its slots run, is taken
+  to run no more than it runs now (``request_active_slots``). A worker that does not
+  report its slots learns them from the gateway's timings: they are the smallest occupancy
+  at which a request the router sent to a presumed free slot was seen queueing (its first
+  byte came later than ``QUEUE_FACTOR`` x its predicted prefill + ``QUEUE_MARGIN``), raised
+  to the most requests seen running at once (streaming together, or
+  ``request_active_slots``); every ``PROBE_EVERY`` seconds one request may go past them to
+  find out whether the worker runs more. Before any request
+  queued, such a worker is never full, as the busy rule alone would have it. A worker that
+  reports no slots and no waiting count is flagged ``gateway_only``: its prediction comes
+  from the router's own timings alone.
 - ``service``: mean time a request holds a slot: its decode (first body byte to stream end,
   measured) plus its prefill (the fit below), or for a non-streamed response that completes,
   dispatch to its end, an average of about the last
@@ -264,7 +260,6 @@ class WorkerEstimate:
         # running, and the worker's KV cache: how many requests its KV cache runs at once.
         self.blocks_per_running = Ewma()
         self.kv_total: int | None = None
-        self.kv_blocks: int | None = None  # in use at the last report
         # Slots learnt from the timings when none are reported (the module's rule).
         self.slots_guess: int | None = None
         self.guessed_at = -math.inf
@@ -369,7 +364,6 @@ class WorkerEstimate:
         self.waiting, self.active = waiting, active
         self.total_slots = total or None
         self.kv_total = kv_total or None
-        self.kv_blocks = kv_blocks
         if active and kv_blocks:
             self.blocks_per_running.add(kv_blocks / active)
         if self.total_slots is None and active and self.slots_guess is not None:
@@ -404,13 +398,10 @@ class WorkerEstimate:
         more than it runs now."""
         if self.total_slots is not None:
             kv = self.kv_slots()
-            queued = self.waiting and self.active is not None
             if kv is not None:
-                if queued and self.kv_full():  # it waits for blocks, not for a step
-                    return max(1, min(self.total_slots, kv, self.active or 0))
                 return min(self.total_slots, kv)
-            if queued:
-                return max(1, min(self.total_slots, self.active or 0))
+            if self.waiting and self.active is not None:
+                return max(1, min(self.total_slots, self.active))
             return self.total_slots
         if self.slots_guess is None:
             return None
@@ -424,14 +415,6 @@ class WorkerEstimate:
         if not self.kv_total or not per:
             return None
         return max(1, int(self.kv_total / per))
-
-    def kv_full(self) -> bool:
-        """The KV cache, at the last report, had no room for another request of the
-        running ones' average size (False when not reported)."""
-        per = self.blocks_per_running.get()
-        if not self.kv_total or self.kv_blocks is None or not per:
-            return False
-        return self.kv_total - self.kv_blocks < per
 
     def free_slots(self, now: float) -> int | None:
         """Slots free for another request now (what :func:`~extproc.core.held.fill_slots`

@@ -680,33 +680,6 @@ def test_slots_are_bounded_by_what_the_kv_cache_runs_even_with_nobody_waiting() 
     assert small.slots(t) == 4  # short requests: the sequences bound it, not the KV
 
 
-def test_an_engine_waiting_for_kv_blocks_is_full_at_what_it_runs() -> None:
-    """vLLM with 4 sequences whose cache holds 3 of these requests: it runs 3 and keeps the
-    4th waiting for blocks. The router, which sent all 4, is full: the next request waits
-    behind the 4th, for the second completion, not the first. Requests waiting while the
-    cache has room wait for a step's token budget, not for blocks: the slots stay."""
-    est = WorkerEstimate("w")
-    t = measured(est, 1)
-    est.load(waiting=0, active=4, total=4, kv_blocks=28, kv_total=36)  # 7 blocks a request
-    assert est.slots(t) == 4 and not est.kv_full()
-    for i in range(4):
-        est.dispatched(i, 1000, t)
-    # Late in their decode, 3 hold 33 blocks: 3 free, fewer than a request holds.
-    est.load(waiting=1, active=3, total=4, kv_blocks=33, kv_total=36)
-    assert est.kv_slots() == 4  # 9 blocks a request on average: the cache holds 4
-    assert est.kv_full() and est.slots(t) == 3 and est.free_slots(t) == 0
-    p = predict_ttft(est, 1000, 0, t)
-    assert not p.can_start and p.ahead == 1
-    service = est.service.value
-    assert p.wait == pytest.approx(2 / (3 / service), rel=0.01)  # 2 completions at 3 a slot time
-    # Waiting with room for another request: a step's token budget; all 4 slots stand.
-    est.load(waiting=1, active=3, total=4, kv_blocks=15, kv_total=36)
-    assert not est.kv_full() and est.slots(t) == 4
-    # Nobody waiting: a full cache bounds nothing beyond the average.
-    est.load(waiting=0, active=4, total=4, kv_blocks=34, kv_total=36)
-    assert est.slots(t) == 4
-
-
 def test_a_worker_reporting_waiting_but_no_slots_learns_them_and_is_not_gateway_only() -> None:
     est = WorkerEstimate("w")
     t = measured(est, 1)
