@@ -84,7 +84,10 @@ async def test_waits_then_dispatches_when_the_worker_frees(stack: Stack) -> None
 
 
 async def test_fifo_order(stack: Stack) -> None:
-    blocker = asyncio.create_task(_post(stack, {"x-test-delay-ms": "400"}))
+    # The blocker must still run while the three are queued one after another (each waits
+    # for the queue depth through /metrics: 400 ms was too short on 2 busy cores), and end
+    # before the first of them times out in the queue (1.5 s).
+    blocker = asyncio.create_task(_post(stack, {"x-test-delay-ms": "1200"}))
     await asyncio.to_thread(
         wait_until,
         lambda: (
