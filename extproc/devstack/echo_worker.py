@@ -1,7 +1,9 @@
 """A minimal OpenAI-shaped HTTP worker for the tests and benchmarks.
 
 ``python -m extproc.devstack.echo_worker --port P --worker-id W``. Every reply names the
-worker (header ``x-worker-id``) and echoes what it received. Request headers steer it:
+worker (header ``x-worker-id``) and echoes what it received, with ``received``: the host's
+monotonic clock (``time.monotonic()``) when the request reached it, so a test on the same
+host can tell the order in which requests arrived. Request headers steer it:
 ``x-test-status`` answers with that status (``x-test-overloaded: 1`` adds
 ``x-worker-overloaded: 1``; ``x-test-status-for: a,b`` limits that to the named workers),
 ``x-test-chunks`` and ``x-test-delay-ms`` shape an SSE stream, ``x-test-hang`` never answers.
@@ -12,12 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 from aiohttp import web
 
 
 def make_app(worker_id: str) -> web.Application:
     async def inference(request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
         raw = await request.read()
         headers = {"x-worker-id": worker_id}
         info: dict[str, object] = {
@@ -25,6 +29,7 @@ def make_app(worker_id: str) -> web.Application:
             "path": request.path,
             "destination": request.headers.get("x-gateway-destination-endpoint"),
             "body_len": len(raw),
+            "received": received,
         }
         if request.headers.get("x-test-hang"):
             await asyncio.sleep(3600)
