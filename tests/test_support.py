@@ -104,6 +104,32 @@ def test_a_nice_proc_runs_at_that_niceness_under_its_own_pid() -> None:
         Proc("too nice", [PYTHON, "-c", "pass"], nice=20)
 
 
+def test_a_nice_proc_in_a_session_of_its_own_lowers_the_session_too() -> None:
+    """With autogroup scheduling each session shares the CPUs equally whatever its
+    processes' niceness: a process at nice 19 alone in its session would compete with the
+    caller's session as an equal. Its session's group gets the niceness as well."""
+    group = Path("/proc/self/autogroup")
+    if not group.exists():
+        pytest.skip("this kernel has no autogroup scheduling (/proc/self/autogroup)")
+    proc = Proc(
+        "nice session",
+        [PYTHON, "-c", "import time; time.sleep(60)"],
+        nice=19,
+        new_session=True,
+    )
+    try:
+        line = Path(f"/proc/{proc.pid}/autogroup").read_text()
+        assert line.split()[-2:] == ["nice", "19"], line
+        assert line.split()[0] != group.read_text().split()[0]  # a group of its own
+    finally:
+        proc.stop()
+    same = Proc("same session", [PYTHON, "-c", "import time; time.sleep(60)"], nice=19)
+    try:  # without a session of its own, the caller's group is left alone
+        assert Path(f"/proc/{same.pid}/autogroup").read_text() == group.read_text()
+    finally:
+        same.stop()
+
+
 def test_wait_until_names_what_it_waited_for() -> None:
     with pytest.raises(WaitTimeout, match=r"timed out after 0.1s waiting for the moon"):
         wait_until(lambda: False, 0.1, "the moon")

@@ -12,6 +12,7 @@ The worker side (``llmworker``) is only ever started as a subprocess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -181,6 +182,19 @@ def cli_flags(**flags: object) -> list[str]:
     return out
 
 
+def lower_session(pid: int, nice: int) -> None:
+    """Give the session that ``pid`` leads the niceness ``nice`` as a whole.
+
+    With the kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``),
+    each session is a group that gets an equal share of the CPUs whatever the niceness of
+    its processes, which then orders them only within it: a process at nice 19 in a session
+    of its own competes with every other session as an equal. Nothing to do on a kernel
+    without autogroups."""
+    # OSError: no autogroup scheduling here (or the process is gone): nice alone applies.
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
+
+
 class Proc:
     """A child process with its output (stdout and stderr) in a log file, stopped by PID.
 
@@ -190,7 +204,8 @@ class Proc:
     variables starting with any of these prefixes before ``env`` is added. ``append_log``
     keeps what an earlier process of the same name wrote to the log (a restart). ``nice``
     runs it, and the processes it starts, that much lower in CPU priority (``nice -n``; the
-    PID stays the process's own)."""
+    PID stays the process's own); in a session of its own, the session too
+    (:func:`lower_session`), or the niceness would rank it only within that session."""
 
     def __init__(
         self,
@@ -225,6 +240,8 @@ class Proc:
             cwd=ROOT if ROOT.is_dir() else None,
             start_new_session=new_session,
         )
+        if nice and new_session:
+            lower_session(self.popen.pid, nice)
 
     @property
     def pid(self) -> int:

@@ -68,8 +68,11 @@ class VllmWorkers:
     input queue in a busy loop for a second after every step (``SpinCondition`` in vLLM's
     ``shm_broadcast.py``), so on 2 cores the engines would take the CPU that Envoy, the
     extproc and the clients need, and the clients' TTFT would carry the machine's queue,
-    which a gateway on cores of its own, as in production, does not pay. The niceness
-    shortens that tail without removing it (docs/latency-target.md, "On vLLM").
+    which a gateway on cores of its own, as in production, does not pay. Each engine runs
+    in a session of its own, so the niceness is given to its session too: with the kernel's
+    autogroup scheduling a session shares the CPUs with every other as an equal, whatever
+    its processes' niceness, and at nice 19 alone the engines still stalled the extproc for
+    seconds (docs/latency-target.md, "On vLLM").
     """
 
     count = 2
