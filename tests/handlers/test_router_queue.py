@@ -61,8 +61,11 @@ def _depth(stack: Stack) -> float:
 
 
 async def test_waits_then_dispatches_when_the_worker_frees(stack: Stack) -> None:
+    # The first must still run when the second reaches the router (each step waits through
+    # /metrics: 600 ms was too short on 2 busy cores), and end before the second times out
+    # in the queue (1.5 s).
     start = time.monotonic()
-    first = asyncio.create_task(_post(stack, {"x-test-delay-ms": "600"}))
+    first = asyncio.create_task(_post(stack, {"x-test-delay-ms": "1200"}))
     await asyncio.to_thread(
         wait_until,
         lambda: (
@@ -77,7 +80,7 @@ async def test_waits_then_dispatches_when_the_worker_frees(stack: Stack) -> None
     (s1, t1, _), (s2, t2, _) = await asyncio.gather(first, second)
     assert (s1, s2) == (200, 200)
     assert t2 >= t1 - 0.05  # the second went out only after the first ended
-    assert t2 - start >= 0.55
+    assert t2 - start >= 1.15
     text = stack.ext.metrics()
     assert metric_value(text, "extproc_router_queue_wait_seconds_count") == 1
     assert _depth(stack) == 0
