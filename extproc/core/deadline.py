@@ -25,7 +25,15 @@ router ahead of it::
   cache had just drained its waiting requests counted all its sequences free again, and the
   requests sent to them waited at the engine: on simulated workers at the capacity at
   target, admitted requests spent a median 400 ms in the worker against a 150 ms target.
-  Requests waiting are not taken to mean the worker is full: an engine also keeps waiting
+  Nor more than its free KV blocks start: a request needs at least a block of its own to
+  start, so a worker whose cache is full runs what it runs now (its occupancy less the
+  requests it reports waiting) and one more per free block. The free blocks are those of
+  the last load report (less ``KV_ASIDE``, vLLM's null block), less one per request the
+  router sent since and plus one per request that ended since (it freed at least one). On
+  vLLM with 6 blocks of 128 tokens for 4 sequences, 3 requests decoding fill the cache; a
+  4th sent to the 4th sequence waited there for one of them to end, up to 2.5 s against a
+  2.5-s target: counting that slot full holds or refuses the request by its predicted wait
+  instead. Requests waiting are not taken to mean the worker is full: an engine also keeps waiting
   the prompts its step's token budget cannot take yet, for one step. Only a worker that
   reports no KV cache, and reports requests waiting while fewer than its slots run, is taken
   to run no more than it runs now (``request_active_slots``). A worker that does not
@@ -153,6 +161,9 @@ PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request pa
 WAIT_Z = 1.28
 PREFILL_MARGIN = 2.0
 MAX_RETRY_AFTER = 60
+# A KV cache's blocks that never hold a request's tokens: vLLM counts its null block in
+# ``num_gpu_blocks`` (the total its agent reports) but not in its usage.
+KV_ASIDE = 1
 ROUNDING = 1e-9  # a wait of 0.7000000000000002 s is 700 ms, not 701
 
 # Names of the inputs, as /debug/workers lists the missing ones.
@@ -260,6 +271,10 @@ class WorkerEstimate:
         # running, and the worker's KV cache: how many requests its KV cache runs at once.
         self.blocks_per_running = Ewma()
         self.kv_total: int | None = None
+        self.kv_used: int | None = None  # blocks in use at the last report
+        # Blocks taken (+1 a dispatch) and freed (-1 an end) since that report: each request
+        # needs at least a block of its own to start (the module's rule).
+        self.kv_delta = 0
         # Slots learnt from the timings when none are reported (the module's rule).
         self.slots_guess: int | None = None
         self.guessed_at = -math.inf
@@ -295,6 +310,7 @@ class WorkerEstimate:
             self.fit.predict(prompt_tokens + pending),
         )
         self.prompt_tokens.add(prompt_tokens)
+        self.kv_delta += 1
         if free:
             self.shared.add(pending)
         if arrived is not None:
@@ -339,8 +355,10 @@ class WorkerEstimate:
             return
         if f.first_byte is None:
             if completed:  # a whole non-streamed response: prefill and decode
+                self.kv_delta -= 1
                 self._slot_time(max(0.0, now - f.dispatched))
             return  # else it never started generating: no service time to learn
+        self.kv_delta -= 1
         self.streaming -= 1
         decode = max(0.0, now - f.first_byte)
         self._slot_time(decode + self.fit.predict(f.prompt_tokens))
@@ -364,6 +382,7 @@ class WorkerEstimate:
         self.waiting, self.active = waiting, active
         self.total_slots = total or None
         self.kv_total = kv_total or None
+        self.kv_used, self.kv_delta = kv_blocks, 0
         if active and kv_blocks:
             self.blocks_per_running.add(kv_blocks / active)
         if self.total_slots is None and active and self.slots_guess is not None:
@@ -399,7 +418,13 @@ class WorkerEstimate:
         if self.total_slots is not None:
             kv = self.kv_slots()
             if kv is not None:
-                return min(self.total_slots, kv)
+                slots = min(self.total_slots, kv)
+                room = self.kv_room()
+                if room is None:
+                    return slots
+                # What it runs now (its occupancy less what it keeps waiting) and one more
+                # per block free: none when a request would wait at the engine for blocks.
+                return min(slots, max(1, self.occupancy() - (self.waiting or 0) + room))
             if self.waiting and self.active is not None:
                 return max(1, min(self.total_slots, self.active))
             return self.total_slots
@@ -415,6 +440,13 @@ class WorkerEstimate:
         if not self.kv_total or not per:
             return None
         return max(1, int(self.kv_total / per))
+
+    def kv_room(self) -> int | None:
+        """KV blocks free for new requests: free at the last report, less one per request
+        sent since, plus one per request ended since (None: the cache is not reported)."""
+        if not self.kv_total or self.kv_used is None:
+            return None
+        return self.kv_total - self.kv_used - self.kv_delta - KV_ASIDE
 
     def free_slots(self, now: float) -> int | None:
         """Slots free for another request now (what :func:`~extproc.core.held.fill_slots`
@@ -519,6 +551,7 @@ class WorkerEstimate:
             "gateway_delay_ms": round((self.gateway.get() or 0.0) * 1000, 1),
             "slots": self.slots(now),
             "kv_slots": self.kv_slots(),
+            "kv_room_blocks": self.kv_room(),
             "occupancy": self.occupancy(),
             "in_flight": len(self.flights),
             "streaming": self.streaming,

@@ -680,6 +680,38 @@ def test_slots_are_bounded_by_what_the_kv_cache_runs_even_with_nobody_waiting() 
     assert small.slots(t) == 4  # short requests: the sequences bound it, not the KV
 
 
+def test_a_slot_without_a_free_kv_block_is_not_free() -> None:
+    """vLLM with 7 blocks (6 for tokens) and 4 sequences, requests of 2 blocks as they
+    decode: 3 of them fill the cache, and a 4th sent to the 4th sequence waits at the engine
+    for the next one to end. The router counts the slot free again as a request ends (it
+    frees at least a block) and takes one block per request sent, until the next report."""
+    est = WorkerEstimate("w")
+    t = measured(est, 4)
+    for i in range(3):
+        est.dispatched(i, 1000, t)
+    est.load(waiting=0, active=3, total=4, kv_blocks=3, kv_total=7)  # early: a block each
+    assert est.kv_room() == 3 and est.slots(t) == 4 and est.free_slots(t) == 1
+    est.load(waiting=0, active=3, total=4, kv_blocks=6, kv_total=7)  # decoding: 2 each
+    assert est.kv_room() == 0 and est.slots(t) == 3 and est.free_slots(t) == 0
+    p = predict_ttft(est, 1000, 0, t)
+    assert not p.can_start and p.ahead == 0 and p.wait == pytest.approx(2.0 / 3, rel=0.05)
+    assert est.rate(t) == pytest.approx(3 / 2.0, rel=0.01)  # 3 running complete the next
+    assert est.view(t)["kv_room_blocks"] == 0
+    est.first_byte(0, t + 0.1)
+    est.ended(0, t + 1.0)  # a request ends: its blocks are free before the next report
+    assert est.kv_room() == 1 and est.free_slots(t + 1.0) == 1
+    est.dispatched(3, 1000, t + 1.0)  # and the request sent to it takes one
+    assert est.kv_room() == 0 and est.free_slots(t + 1.0) == 0
+    est.dispatched(4, 1000, t + 1.0)  # one sent anyway waits at the engine: ahead of others
+    assert est.slots(t + 1.0) == 3 and predict_ttft(est, 1000, 0, t + 1.0).ahead == 1
+    # The engine preempts one of 4 running (it keeps it waiting): 3 run, the wait is behind it.
+    est.load(waiting=1, active=3, total=4, kv_blocks=6, kv_total=7)
+    assert est.slots(t + 1.1) == 3 and predict_ttft(est, 1000, 0, t + 1.1).ahead == 1
+    # An engine that reports no KV cache, or no usage, is bounded by its sequences alone.
+    est.load(waiting=0, active=3, total=4, kv_blocks=None, kv_total=7)
+    assert est.kv_room() is None
+
+
 def test_a_worker_reporting_waiting_but_no_slots_learns_them_and_is_not_gateway_only() -> None:
     est = WorkerEstimate("w")
     t = measured(est, 1)
