@@ -137,12 +137,15 @@ QUOTING = {
                           ("lines", "slo-results.md"), ("rows", "slo-results.md"),
                           ("slo goodput per phase", "slo-vllm-results.json"),
                           ("lines", "slo-vllm-results.md"),
-                          ("slo goodput per phase", "slo-vllm-run2-results.json"),
-                          ("lines", "slo-vllm-run2-results.md"),
+                          ("slo goodput per phase", "slo-vllm-earlier1-results.json"),
+                          ("slo goodput per phase", "slo-vllm-earlier2-results.json"),
                           ("slo goodput per phase", "slo-vllm-450ms-results.json"),
                           ("lines", "slo-vllm-450ms-results.md"),
                           ("slo goodput per phase", "slo-llamacpp-results.json"),
-                          ("lines", "slo-llamacpp-results.md")},
+                          ("lines", "slo-llamacpp-results.md"),
+                          ("slo goodput per phase", "slo-llamacpp-earlier1-results.json"),
+                          ("slo goodput per phase", "slo-llamacpp-earlier2-results.json"),
+                          ("lines", "slo-llamacpp-earlier2-results.md")},
 }  # fmt: skip
 
 
