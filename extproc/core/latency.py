@@ -25,6 +25,7 @@ times passed in or read from the pool's clock, no I/O: the request path
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,18 @@ PROBE_UNREACHABLE_SECONDS = 0.25
 # (20 % critical, 50 % standard, 30 % sheddable), it lost SLO goodput against the flat run
 # and critical requests were still refused.
 YIELD_SECONDS = 1.0
+# A retry's deadline is its user's. The router remembers, per model, when the retry of each
+# request it answered with the deadline reply is due (the reply's time plus the
+# ``retry-after-ms`` it named: the OpenAI SDKs come back after exactly that) and when that
+# request's user first asked. A retry that arrives at most this long after such a due time
+# is taken as that user's (the latest due first, each once), and its deadline counts from
+# the user's first attempt: a retry that can no longer give its user a first token within
+# the target is refused, and the slot goes to a request that still can. A retry that matches
+# no refusal (it came after a worker's error, or after a wait of its own) counts from its
+# own arrival.
+RETRY_MATCH_SECONDS = 0.25
+RETRY_EARLY_SECONDS = 0.01  # the clocks of the reply and of the retry's arrival may differ
+RETRY_MEMORY = 4096  # due retries remembered per model; beyond it the earliest are forgotten
 
 
 @dataclass(slots=True)
@@ -101,6 +114,9 @@ class DeadlineAdmission:
         # When the deadline last refused a first attempt of each model, per class priority
         # (0 without classes).
         self.refused_at: dict[str, dict[int, float]] = {}
+        # Per model, the retries the deadline replies asked for: (due, the user's first
+        # attempt), by due time.
+        self.due: dict[str, list[tuple[float, float]]] = {}
 
     # ----- targets -------------------------------------------------------------------
 
@@ -255,6 +271,29 @@ class DeadlineAdmission:
             refused[priority] = now
         return decision, preds
 
+    def told(self, model: str, user_arrived: float, retry_after_ms: int, now: float) -> None:
+        """A request of ``model`` whose user first asked at ``user_arrived`` got the deadline
+        reply at ``now``, naming ``retry_after_ms``: its retry is due then."""
+        due = self.due.setdefault(model, [])
+        _forget(due, now)
+        bisect.insort(due, (now + retry_after_ms / 1000, user_arrived))
+        if len(due) > RETRY_MEMORY:
+            del due[0]
+
+    def user_arrival(self, model: str, arrived: float, retry: bool, now: float) -> float:
+        """When the deadline of a request that reached the router at ``arrived`` counts
+        from: for a retry that arrives when one the deadline reply asked for is due, its
+        user's first attempt (:data:`RETRY_MATCH_SECONDS`); else ``arrived``."""
+        due = self.due.get(model) if retry else None
+        if not due:
+            return arrived
+        _forget(due, now)
+        i = bisect.bisect_right(due, (now + RETRY_EARLY_SECONDS, math.inf)) - 1
+        user = due.pop(i)[1] if i >= 0 else arrived
+        if not due:
+            del self.due[model]
+        return min(user, arrived)
+
     def best_class(self, priority: int) -> bool:
         """Whether ``priority`` is the best of the classes when lesser ones are configured:
         its requests are judged on their mean predicted TTFT, not its 90th percentile (a
@@ -349,6 +388,11 @@ class DeadlineAdmission:
             out["ttft_p99_target_ms"] = round(target * 1000, 3)
         out["target_unreachable"] = "target" in out
         return out
+
+
+def _forget(due: list[tuple[float, float]], now: float) -> None:
+    """Drop the due retries no arrival can match any more."""
+    del due[: bisect.bisect_left(due, (now - RETRY_MATCH_SECONDS, -math.inf))]
 
 
 def _sum(values: Iterator[int | None]) -> int | None:

@@ -130,6 +130,7 @@ class _Stream:
         "addresses",
         "arrived",
         "body_streamed",
+        "deadline_from",
         "duplex_body",
         "duplex_request",
         "duplex_response",
@@ -177,6 +178,9 @@ class _Stream:
         # Deadline admission: when the request reached the router (pool clock), its TTFT
         # target (None: none), and when it was held for a slot (None: never).
         self.arrived = 0.0
+        # When its deadline counts from: ``arrived``, or for a retry its user's first
+        # attempt where the router can tell (DeadlineAdmission.user_arrival).
+        self.deadline_from = 0.0
         self.target_s: float | None = None
         self.held_since: float | None = None
 
@@ -598,12 +602,13 @@ class ExtProcHandler:
             return self._reply(
                 st, self.scheduler.decide(model, st.prompt_tokens, variant, subset=subset)
             )
+        st.deadline_from = self.admission.user_arrival(model, st.arrived, st.retry, now)
         decision, preds = self.admission.admit(
             model,
             candidates,
             st.prompt_tokens,
             target_s,
-            st.arrived,
+            st.deadline_from,
             now,
             st.retry,
             st.request_class.priority if st.request_class is not None else 0,
@@ -614,7 +619,9 @@ class ExtProcHandler:
         if type(decision) is Dispatch:
             worker = next(w for w in candidates if w.worker_id == decision.worker)
             return self._route_to(st, worker, preds)
-        probe = self.admission.probe(decision, preds, now)
+        # A retry refused because its user's target is past is not sent to measure a worker.
+        late = st.deadline_from < st.arrived
+        probe = None if late else self.admission.probe(decision, preds, now)
         if probe is not None:  # unreachable: measured again, once a second per worker
             worker = next(w for w in candidates if w.worker_id == probe)
             return self._route_to(st, worker, preds)
@@ -628,7 +635,7 @@ class ExtProcHandler:
                 prompt_tokens=st.prompt_tokens,
                 variant=variant,
                 class_name=cls.name if cls is not None else "",
-                arrived=st.arrived,
+                arrived=st.deadline_from,
                 only=None if subset is None else frozenset(w.worker_id for w in workers),
             )
             extension = self.replies.extension(extension_seconds(wait))
@@ -676,6 +683,10 @@ class ExtProcHandler:
         self.metrics.deadline_rejections.labels(st.model).inc()
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
         self._count_class(st, st.model, "overloaded")
+        if self.admission is not None:
+            self.admission.told(
+                st.model, st.deadline_from, decision.retry_after_ms, self.pool.clock()
+            )
         return self.replies.deadline(
             decision.retry_after, decision.retry_after_ms, st.request_class
         )

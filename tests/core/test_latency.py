@@ -8,7 +8,7 @@ import pytest
 from extproc.core.busy import BusyThresholds
 from extproc.core.classes import ClassRegistry, parse_table
 from extproc.core.deadline import Dispatch, Hold, Reject
-from extproc.core.latency import GATEWAY_ONLY, DeadlineAdmission
+from extproc.core.latency import GATEWAY_ONLY, RETRY_MEMORY, DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.worker import Worker
 
@@ -114,6 +114,51 @@ def test_a_retry_yields_its_slot_while_first_attempts_are_refused() -> None:
     assert admission.refused_at["m"] == {0: t}  # a refused retry does not extend it
     decision, _ = admission.admit("m", [worker], 100, 1.0, t + 1.0, t + 1.0, retry=True)
     assert isinstance(decision, Dispatch)  # a second later: decided like any request
+
+
+def test_a_retry_due_after_a_deadline_reply_counts_from_its_users_first_attempt() -> None:
+    """The router remembers when the retry of each deadline reply is due and when its user
+    first asked: a retry arriving then (at most 250 ms late) takes that user's first
+    attempt as its start, each due retry once, the latest due first; a first attempt, a
+    retry that matches none, and one too late keep their own arrival."""
+    _, admission = make()
+    admission.told("m", 10.0, 700, 10.0)  # refused at 10.0: come back in 0.7 s
+    admission.told("m", 10.2, 500, 10.2)  # refused at 10.2: come back in 0.5 s (due 10.7)
+    admission.told("n", 9.0, 1700, 9.0)  # another model's, due at 10.7 too
+    assert admission.user_arrival("m", 10.72, False, 10.72) == 10.72  # a first attempt
+    assert admission.user_arrival("m", 10.6, True, 10.6) == 10.6  # none due yet
+    # Both due at 10.7: the first retry takes the one that came due last (10.2, by 0.5 s),
+    # the second the other; a third finds none left.
+    assert admission.user_arrival("m", 10.72, True, 10.72) == 10.2
+    assert admission.user_arrival("m", 10.73, True, 10.73) == 10.0
+    assert admission.user_arrival("m", 10.74, True, 10.74) == 10.74
+    assert admission.user_arrival("n", 11.0, True, 11.0) == 11.0  # 300 ms after its due
+    assert admission.due == {}  # nothing is kept that no retry can match
+    # A chain: the retry refused again names its user's first attempt for the next one.
+    admission.told("m", 10.0, 1000, 10.8)
+    assert admission.user_arrival("m", 11.85, True, 11.85) == 10.0
+
+
+def test_a_retry_whose_user_is_already_past_the_target_is_refused() -> None:
+    """One slot, busy for about a second: a first attempt with a 5 s target is held; a
+    retry arriving at the same moment, due after a deadline reply its user got 4.5 s
+    earlier, has 0.5 s of that target left and is refused."""
+    admission, worker, t = one_slot_measured()
+    admission.dispatched("busy", worker, 100, t, t)
+    decision, _ = admission.admit("m", [worker], 100, 5.0, t, t)
+    assert isinstance(decision, Hold)
+    admission.told("m", t - 4.5, 4500, t - 4.5)
+    start = admission.user_arrival("m", t, True, t)
+    assert start == t - 4.5
+    decision, _ = admission.admit("m", [worker], 100, 5.0, start, t, retry=True)
+    assert isinstance(decision, Reject) and not decision.yielded
+
+
+def test_due_retries_are_bounded_per_model() -> None:
+    _, admission = make()
+    for i in range(RETRY_MEMORY + 10):
+        admission.told("m", 0.0, 60_000, i * 1e-3)
+    assert len(admission.due["m"]) == RETRY_MEMORY
 
 
 def test_a_retry_yields_to_its_class_and_better_ones_not_to_lesser_ones() -> None:

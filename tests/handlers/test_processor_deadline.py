@@ -127,6 +127,27 @@ def test_an_sdk_retry_yields_the_free_slot_while_first_attempts_are_refused() ->
     assert destination(parsed(raw)) == "127.0.0.1:1"
 
 
+def test_an_sdk_retry_due_after_a_deadline_reply_keeps_its_users_deadline() -> None:
+    """A first attempt refused with ``retry-after-ms`` W: the retry that arrives W later,
+    when the slot is free, is refused, its user's target (500 ms from the first attempt)
+    being past; another retry at the same moment, which no reply asked for, is routed."""
+    handler, clock = make(target_ms=500.0)
+    learn(handler, clock, "a", scale=2.0)  # 2 s a request: the wait is above a second
+    first, _ = send(handler, "r1")  # takes the only slot
+    _, raw = send(handler, "r2")
+    status, hdrs, _ = local(parsed(raw))
+    wait_ms = int(hdrs["retry-after-ms"])
+    assert status == 529 and wait_ms > 1000  # past the second in which retries yield
+    clock.t += wait_ms / 1000 - 0.5
+    finish(first)  # the slot frees before the retry is due
+    clock.t += 0.5 + 0.02  # the retry, 20 ms after it was due
+    _, raw = send(handler, "r2-retry", retry_count=1)
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and hdrs["x-shed-reason"] == "deadline"
+    _, raw = send(handler, "r9-retry", retry_count=1)  # a retry no deadline reply asked for
+    assert destination(parsed(raw)) == "127.0.0.1:1"
+
+
 def test_a_request_that_would_wait_past_the_target_is_rejected_at_once() -> None:
     handler, clock = make(target_ms=500.0)
     learn(handler, clock, "a")
