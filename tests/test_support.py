@@ -75,7 +75,8 @@ def test_proc_keeps_its_output_and_stops_by_pid(tmp_path: Path) -> None:
     quiet = Proc("quiet", [PYTHON, "-c", "print('hello', flush=True); import time; time.sleep(60)"])
     logged = Proc("logged", [PYTHON, "-c", "import sys; sys.stderr.write('to stderr')"], tmp_path)
     try:
-        wait_until(lambda: "hello" in quiet.log(), 10, "the first line")
+        # The whole line: unbuffered, print writes "hello" and its newline apart.
+        wait_until(lambda: "hello\n" in quiet.log(), 10, "the first line")
         assert quiet.alive()
     finally:
         assert quiet.stop() == -signal.SIGTERM

@@ -459,7 +459,8 @@ def test_worker_sigkill_with_no_other_free_worker(
         assert expired - killed >= ttl - 0.3  # it stayed a candidate for the whole TTL
         before = [r for r in results if r.ended < killed]
         # (the expiry is seen by polling /debug/workers: a margin before it)
-        between = [r for r in results if killed + 0.05 < r.started and r.ended < expired - 0.25]
+        # (started while it was still a candidate: on a busy machine one may end after)
+        between = [r for r in results if killed + 0.05 < r.started < expired - 0.25]
         after = [r for r in results if r.started > expired + 0.05]
         assert before and {r.outcome for r in before} <= {"200", "200 stream"}
         cut = [r for r in results if r.outcome == "cut"]
