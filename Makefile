@@ -70,8 +70,11 @@ ENGINE ?= sim
 demo: $(STAMP) $(if $(filter llamacpp,$(ENGINE)),$(ENGINE_STAMP)) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP)) ## Envoy + extproc + 2 workers on localhost:8000 (ENGINE=llamacpp|vllm: a real engine; Ctrl-C stops)
 	$(PY) -m extproc.devstack --engine $(ENGINE) $(ARGS)
 
-test: $(STAMP) $(ENGINE_STAMP) $(VLLM_STAMP) ## Run the whole test suite (unit + integration through the real Envoy)
-	{ $(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]; } && $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS)
+# The two virtualenvs install side by side (vLLM's alone takes minutes); the modules run in
+# the order tests/conftest.py gives them, the longest first.
+test: ## Run the whole test suite (unit + integration through the real Envoy)
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(ENGINE_STAMP) $(VLLM_STAMP)
+	{ $(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]; } && $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Run the tests that need no Envoy (under a minute)
 	$(PY) -m pytest -q -m "not envoy" $(PYTEST_ARGS)

@@ -96,9 +96,38 @@ STACK_FIXTURES = {"make_stack", "echo_workers"}
 TESTS = Path(__file__).resolve().parent
 
 
-# The folders of the longest modules (benchmarks, whole stacks), run first: with
-# ``make test``'s two processes (pytest-xdist, a module per process at a time) a long module
-# started last would leave the other process idle until it ends.
+# ``make test``'s two processes (pytest-xdist, a module per process at a time, in this
+# order: ``--no-loadscope-reorder``) take the longest modules first, so that no long module
+# starts last and leaves the other process idle until it ends: the modules that took 12 s or
+# more in one ``make test`` on 2 cores (seconds, setup included), longest first; then the
+# folders of the other benchmarks and whole stacks; then the rest.
+LONG_MODULES = {
+    "integration/test_vllm.py": 194,
+    "loadtest/test_slo_bench.py": 72,
+    "integration/test_faults.py": 69,
+    "loadtest/test_soak.py": 64,
+    "loadtest/test_overload_llamacpp.py": 57,
+    "admin/test_status_page.py": 57,
+    "deploy/test_devstack_vllm.py": 56,
+    "loadtest/test_overload_bench.py": 42,
+    "integration/test_latency_target.py": 39,
+    "deploy/test_compose_rehearsal.py": 38,
+    "integration/test_llamacpp.py": 30,
+    "deploy/test_devstack.py": 30,
+    "integration/test_track_output_blocks.py": 27,
+    "deploy/test_prometheus_grafana.py": 25,
+    "loadtest/test_locustfile.py": 22,
+    "integration/test_epp_deadline.py": 21,
+    "core/test_deadline.py": 21,
+    "deploy/test_devstack_llamacpp.py": 19,
+    "handlers/test_router_queue.py": 18,
+    "integration/test_served_host.py": 18,
+    "deploy/test_compose_vllm.py": 17,
+    "integration/test_llamacpp_deadline.py": 17,
+    "integration/test_request_path.py": 17,
+    "integration/test_extproc_restart.py": 13,
+    "integration/test_replicas.py": 12,
+}
 LONG_FIRST = ("loadtest", "integration", "deploy")
 
 
@@ -133,8 +162,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if relative.as_posix() in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
 
-    def rank(item: pytest.Item) -> int:
-        folder = item.path.relative_to(TESTS).parts[0]
-        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        relative = item.path.relative_to(TESTS)
+        folder = relative.parts[0]
+        return (
+            -LONG_MODULES.get(relative.as_posix(), 0),
+            LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST),
+        )
 
     items.sort(key=rank)  # stable: each module's own order is kept
