@@ -28,7 +28,12 @@ def test_make_installs_vllm_apart_and_removes_the_cuda_companions() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "-m pip install -q -r deploy/vllm/requirements.txt" in makefile
     assert "pip uninstall -q -y torchvision torchaudio torchcodec" in makefile
-    test_line = next(line for line in makefile.splitlines() if line.startswith("test:"))
-    assert "$(VLLM_STAMP)" in test_line
+    # ``make test`` installs vLLM first, beside the extproc's virtualenv (a sub-make, -j2).
+    lines = makefile.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("test:"))
+    install = lines[at + 1]
+    assert "$(MAKE)" in install and "-j2" in install, install
+    assert "$(STAMP)" in install and "$(ENGINE_STAMP)" in install, install
+    assert "$(VLLM_STAMP)" in install, install
     # The extproc's own virtualenv never gets vLLM.
     assert "$(PY) -m pip install -q -e '.[vllm]'" not in makefile
