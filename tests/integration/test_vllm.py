@@ -30,7 +30,7 @@ import zmq
 from extproc.devstack import AgentProcess, Envoy, Extproc, http, metric_value
 from extproc.devstack import wait_until as _wait_until
 from extproc.devstack.prom import metric_sums
-from extproc.devstack.vllm import VllmServer
+from extproc.devstack.vllm import VllmServer, compute_dtype
 from extproc.events.schema import ConfigEvent, LoadEvent, decode
 from tests.support.vllm_engine import require_vllm
 
@@ -286,6 +286,12 @@ def reported_blocks(s: VllmStack, engine: Engine) -> int:
 
 def _all_busy(s: VllmStack) -> bool:
     return all(s.worker(e)["state"] == "busy" for e in s.engines)
+
+
+def test_engines_compute_in_the_dtype_this_cpu_is_fast_in(s: VllmStack) -> None:
+    dtype = compute_dtype()  # bfloat16 with AVX-512, float32 without
+    for engine in s.engines:
+        assert f"dtype=torch.{dtype}," in engine.server.log(), engine.server.log()[-3000:]
 
 
 # --- routing and shedding --------------------------------------------------------------
