@@ -139,6 +139,8 @@ QUOTING = {
                           ("lines", "slo-earlier1-results.md"),
                           ("slo goodput per phase", "slo-vllm-results.json"),
                           ("lines", "slo-vllm-results.md"),
+                          ("slo goodput per phase", "slo-vllm-earlier3-results.json"),
+                          ("lines", "slo-vllm-earlier3-results.md"),
                           ("slo goodput per phase", "slo-vllm-earlier1-results.json"),
                           ("slo goodput per phase", "slo-vllm-earlier2-results.json"),
                           ("slo goodput per phase", "slo-vllm-450ms-results.json"),
