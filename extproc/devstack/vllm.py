@@ -163,7 +163,8 @@ class VllmServer(Proc):
     bound by the subscriber) for vLLM's KV events. ``cpus`` binds its compute threads to
     those CPUs (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``; vLLM's default
     binds to the first CPUs, so two engines would share them). ``nice`` lowers its CPU
-    priority and its engine's (:class:`Proc`). ``extra`` goes at the end.
+    priority and its engine's (:class:`Proc`). ``dtype``: vLLM's ``--dtype``
+    (:func:`compute_dtype`'s when not given). ``extra`` goes at the end.
     ``wait`` False returns at once (then :meth:`wait_ready`), to start several together.
     """
 
@@ -181,6 +182,7 @@ class VllmServer(Proc):
         kv_events: str | None = None,
         cpus: str | None = None,
         nice: int = 0,
+        dtype: str | None = None,
         extra: Sequence[str] = (),
         ready_timeout: float = 300.0,
         wait: bool = True,
@@ -200,6 +202,7 @@ class VllmServer(Proc):
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 max_num_queued_reqs=max_num_queued_reqs,
                 kv_events=kv_events,
+                dtype=dtype,
             ),
             *extra,
         ]  # fmt: skip
