@@ -67,9 +67,9 @@ FAST_BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
 def compute_dtype(cpuinfo: str | None = None) -> str:
     """The dtype vLLM computes in on this CPU (``--dtype``): ``bfloat16``, the model's own,
     where the CPU has AVX-512; ``float32`` where it has not. Without AVX-512, vLLM's CPU
-    backend and torch convert bf16 in software: on a 2-core AMD EPYC with AVX2 only, one
-    engine on one CPU prefilled a ~120-token chat prompt in 2.1-2.4 s in bf16 against
-    0.46-0.57 s in float32, and four requests of 64 tokens each took 22.7 s against 11.7 s.
+    backend and torch convert bf16 in software: on a 2-core AMD EPYC with AVX2 only, the
+    prefill of a ~120-token chat prompt took 4 times as long in bf16
+    (docs/vllm-dtype-results.md, ``python -m loadtest.vllm_dtype``).
     ``cpuinfo`` is the text of ``/proc/cpuinfo`` (read when not given); unreadable, it is
     taken as a CPU without AVX-512."""
     if cpuinfo is None:

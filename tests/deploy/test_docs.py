@@ -133,6 +133,7 @@ QUOTING = {
                     ("rows", "overload-llamacpp-results.md")},
     "classes.md": {("rows", "classes-results.md"), ("lines", "classes-results.md")},
     "worker.md": {("rows", "kv-lag-results.md"), ("lines", "kv-lag-results.md")},
+    "vllm.md": {("rows", "vllm-dtype-results.md")},
     "latency-target.md": {("slo goodput per phase", "slo-results.json"),
                           ("lines", "slo-results.md"), ("rows", "slo-results.md"),
                           ("slo goodput per phase", "slo-earlier1-results.json"),
