@@ -140,6 +140,8 @@ QUOTING = {
                           ("lines", "slo-earlier1-results.md"),
                           ("slo goodput per phase", "slo-vllm-results.json"),
                           ("lines", "slo-vllm-results.md"),
+                          ("slo goodput per phase", "slo-vllm-seed2-results.json"),
+                          ("lines", "slo-vllm-seed2-results.md"),
                           ("slo goodput per phase", "slo-vllm-earlier3-results.json"),
                           ("lines", "slo-vllm-earlier3-results.md"),
                           ("slo goodput per phase", "slo-vllm-earlier1-results.json"),
