@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.devstack.vllm import compute_dtype, server_args
+from extproc.devstack.vllm import compute_dtype, server_args, with_dtype
 
 AVX2_ONLY = (
     "processor\t: 0\nmodel name\t: AMD EPYC\n"
@@ -34,3 +34,9 @@ def test_server_args_name_this_cpus_dtype_unless_given() -> None:
     given = server_args(host="127.0.0.1", port=8000, dtype="bfloat16")
     assert given[given.index("--dtype") + 1] == "bfloat16"
     assert given.count("--dtype") == 1
+
+
+def test_the_compose_workers_flags_get_this_cpus_dtype_unless_they_name_one() -> None:
+    assert with_dtype(["--port", "8000"]) == ["--dtype", compute_dtype(), "--port", "8000"]
+    assert with_dtype(["--dtype", "half", "--port", "1"]) == ["--dtype", "half", "--port", "1"]
+    assert with_dtype(["--dtype=half"]) == ["--dtype=half"]

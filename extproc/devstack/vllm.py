@@ -61,7 +61,7 @@ ENV = {
 
 CPUINFO = Path("/proc/cpuinfo")
 FAST_BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
-"""CPU flags under which vLLM's CPU backend computes bf16 at full speed."""
+"""CPU flags under which bf16 is kept: vLLM's CPU backend has AVX-512 code for it."""
 
 
 def compute_dtype(cpuinfo: str | None = None) -> str:
@@ -270,6 +270,14 @@ class VllmServer(Proc):
         return found
 
 
+def with_dtype(argv: Sequence[str]) -> list[str]:
+    """vLLM's flags ``argv`` with ``--dtype`` from :func:`compute_dtype` first, unless they
+    name one (``--dtype X`` or ``--dtype=X``)."""
+    if any(arg == "--dtype" or arg.startswith("--dtype=") for arg in argv):
+        return list(argv)
+    return ["--dtype", compute_dtype(), *argv]
+
+
 def main(argv: Sequence[str]) -> None:
     """``python -m extproc.devstack.vllm ARGS``: vLLM's OpenAI server on the converted
     SmolLM2, with the environment it needs; ARGS are vLLM's flags (the compose worker), with
@@ -280,9 +288,7 @@ def main(argv: Sequence[str]) -> None:
         sys.exit(f"{exc}")
     os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
     module = "vllm.entrypoints.openai.api_server"
-    if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in argv):
-        argv = ["--dtype", compute_dtype(), *argv]
-    os.execv(python, [str(python), "-m", module, "--model", str(model), *argv])
+    os.execv(python, [str(python), "-m", module, "--model", str(model), *with_dtype(argv)])
 
 
 if __name__ == "__main__":
