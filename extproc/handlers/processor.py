@@ -32,6 +32,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
@@ -78,8 +79,9 @@ REQUEST_ID_HEADER = "x-request-id"
 # 2 for their retries after an overload reply. Deadline admission lets a retry yield its slot
 # to first attempts while those are being refused (docs/latency-target.md).
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
-# Set on a request dispatched by deadline admission (a TTFT target): the predicted TTFT of
-# the worker it was sent to, in ms (one decimal); never set by the plain threshold rule.
+# Set on a request dispatched by deadline admission (a TTFT target): the TTFT predicted for it
+# when it was admitted, in ms (one decimal): on the worker it was sent to at once, or the one
+# it was held on, its predicted wait included; never set by the plain threshold rule.
 PREDICTED_TTFT_HEADER = "x-ttft-predicted-ms"
 # Set by the shipped Envoy configs' inference routes on every upstream response to the
 # host that served it (%UPSTREAM_HOST%, overwriting a worker's own), and removed before the
@@ -135,6 +137,7 @@ class _Stream:
         "duplex_request",
         "duplex_response",
         "endpoint_label",
+        "held_prediction",
         "held_since",
         "model",
         "phase",
@@ -183,6 +186,8 @@ class _Stream:
         self.deadline_from = 0.0
         self.target_s: float | None = None
         self.held_since: float | None = None
+        # The TTFT predicted when it was held (its wait included): what it carries upstream.
+        self.held_prediction: float | None = None
 
 
 class ExtProcHandler:
@@ -628,6 +633,7 @@ class ExtProcHandler:
         if type(decision) is Hold:
             cls = st.request_class
             st.held_since = now
+            st.held_prediction = next((p.ttft for p in preds if p.worker == decision.worker), None)
             future, wait = self.held.hold(
                 st,
                 model,
@@ -705,11 +711,15 @@ class ExtProcHandler:
         return result
 
     def _route_held(self, key: Hashable, worker: Worker) -> bytes:
-        """A held request given a free slot of ``worker``: its prediction there now (no
-        held request ahead: they are given slots earliest deadline first) goes with it."""
+        """A held request given a free slot of ``worker``. Its upstream
+        ``x-ttft-predicted-ms`` is the TTFT it was held on, its predicted wait included
+        (the prediction admission decided on, as for a request dispatched at once), not its
+        prediction now, which leaves out the time it was held."""
         assert isinstance(key, _Stream) and self.admission is not None
         est = self.admission.estimate(worker.worker_id)
         pred = predict_ttft(est, key.prompt_tokens, 0, self.pool.clock())
+        if key.held_prediction is not None:
+            pred = replace(pred, ttft=key.held_prediction)
         return self._route_to(key, worker, [pred])
 
     def _deadline_held(self, key: Hashable, decision: Reject) -> bytes:

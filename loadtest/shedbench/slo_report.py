@@ -495,7 +495,9 @@ How far each source of TTFT is from the clients' (all modes but "off", whose que
 seconds would drown the rest; error = source minus clients). The rows compared "per \
 request" pair each request's value with the client's TTFT of that same request: the \
 prediction (the `x-ttft-predicted-ms` deadline admission sends with a request it \
-dispatches, from Envoy's access log; only modes with a target have it) and Envoy's own \
+dispatches: the TTFT it predicted when it admitted it, for a request held for a slot its \
+predicted wait included; from Envoy's access log; only modes with a target have it) and \
+Envoy's own \
 timings. The others compare a statistic per worker: the engine's TTFT the extproc keeps \
 from the load events (a running mean of histogram bucket upper bounds) against the same \
 running mean of the clients' TTFTs on that worker, and the engine's histogram quantiles \

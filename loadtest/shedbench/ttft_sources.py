@@ -5,8 +5,10 @@ The inputs of deadline admission's prediction, and the prediction itself, are co
 with it on the same run; the rows marked "per request" pair one request with the client's
 TTFT of that same request, the others compare a statistic per worker over an interval:
 
-- the prediction (per request): what deadline admission predicted for the worker it sent
-  the request to, which the extproc puts in the upstream request's ``x-ttft-predicted-ms``
+- the prediction (per request): the TTFT deadline admission predicted for the request when
+  it admitted it (on the worker it sent it to at once, or, for a request held for a slot,
+  the prediction it was held on, its wait included), which the extproc puts in the upstream
+  request's ``x-ttft-predicted-ms``
   header and Envoy's access log records (``%REQ(X-TTFT-PREDICTED-MS)%``; ``-`` on a request
   the thresholds decided, with no target), against the client's TTFT of that attempt. A
   request Envoy retried on a fallback worker keeps the first worker's prediction;

@@ -1,8 +1,9 @@
 """The predicted TTFT sent with a request, through the real Envoy to a real HTTP worker.
 
-With a TTFT target, deadline admission puts the prediction of the worker it dispatched a
-request to in the upstream request's ``x-ttft-predicted-ms`` (dispatched at once, or after
-being held for a slot); without a target the thresholds decide and no such header is sent.
+With a TTFT target, deadline admission puts the TTFT it predicted for a request when it
+admitted it in the upstream request's ``x-ttft-predicted-ms``: dispatched at once, its
+worker's prediction; held for a slot, the prediction it was held on, its wait included.
+Without a target the thresholds decide and no such header is sent.
 The worker here is a small HTTP server in the test that records each request's headers,
 announced to the extproc over ZMQ with one slot (its load reports say how many are busy).
 """
@@ -149,9 +150,14 @@ async def test_the_prediction_reaches_the_worker_with_a_target_and_not_without(
 
         await asyncio.to_thread(wait_until, is_held, 10, "the request held")
         assert len(stack.worker.seen) == before  # not sent yet
+        view = (await asyncio.to_thread(stack.ext.workers))["rec"]["deadline"]
+        wait_ms = view["predicted_wait_ms"]
+        assert wait_ms is not None and wait_ms > 0, view
         await asyncio.to_thread(stack.load, 0)
         assert await held == 200
-        assert _predicted(stack.worker.seen[-1]) >= 0
+        # The TTFT it was held on, its predicted wait included; at its release the slot
+        # was free, and a prediction made then (its prefill alone) would be below the wait.
+        assert _predicted(stack.worker.seen[-1]) >= wait_ms - 1.0, (stack.worker.seen[-1], view)
 
         # The target removed: back to the thresholds, no header.
         await asyncio.to_thread(stack.target, {"model": "m", "disable": [TTFT_TARGET]})
