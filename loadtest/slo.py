@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import shlex
@@ -183,6 +184,38 @@ def name_workers(run: PhasedRun, stack: Stack) -> None:
             attempt.worker = ids.get(attempt.worker, attempt.worker)
 
 
+def write_attempts(
+    path: Path, mode: str, run: PhasedRun, lines: dict[int, AccessLine], append: bool
+) -> None:
+    """Every attempt of one mode's run, one JSON object per line: ``mode``, ``request`` (its
+    user request's number, ``x-bench-id``), ``attempt`` (0, 1, 2), ``arrival_s`` (from the
+    run's start), ``status`` (0: no response), ``ttft_ms`` (from the attempt's start; None:
+    no first token), ``retry_after_ms`` and ``shed_reason`` (of a refusal), ``worker``; and
+    from Envoy's access log for the request's last attempt, on that attempt's line:
+    ``predicted_ms`` (``x-ttft-predicted-ms``) and ``worker_ms`` (to the first upstream body
+    byte)."""
+    with path.open("a" if append else "w", encoding="utf-8") as f:
+        for number, req in enumerate(run.requests):
+            line = lines.get(number)
+            last = len(req.attempts) - 1
+            for k, a in enumerate(req.attempts):
+                row: dict[str, Any] = {
+                    "mode": mode,
+                    "request": number,
+                    "attempt": k,
+                    "arrival_s": round(a.arrival, 4),
+                    "status": a.status,
+                    "ttft_ms": None if a.ttft is None else round(a.ttft * 1e3, 1),
+                    "retry_after_ms": a.retry_after_ms,
+                    "shed_reason": a.shed_reason,
+                    "worker": a.worker,
+                }
+                if k == last and line is not None:
+                    row["predicted_ms"] = line.predicted_ms
+                    row["worker_ms"] = line.body_ms
+                f.write(json.dumps(row) + "\n")
+
+
 def code_version() -> str:
     """The commit the stack ran, and whether its code had uncommitted changes."""
     try:
@@ -223,6 +256,7 @@ class Options:
     capacity_probes: int
     classes: bool
     classes_seconds: float
+    requests_out: Path | None = None  # every attempt of the modes' runs, as JSON lines
 
 
 @dataclass
@@ -358,6 +392,8 @@ async def run_main(cfg: Config, stack: Stack, opts: Options, log_path: Path) -> 
                 await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
             answered = sum(1 for r in phased.requests if any(a.status for a in r.attempts))
             lines = read_access_log(log_path, tag, answered)
+            if opts.requests_out is not None:
+                write_attempts(opts.requests_out, mode.name, phased, lines, append=i > 0)
             if mode is not off:  # its queue's TTFTs of seconds would drown the comparison
                 measured.append((phased, lines))
             by_mode[mode.name] = [s.row() for s in compare([(phased, lines)])]
@@ -609,6 +645,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the results and plots")
+    p.add_argument("--requests-out", metavar="FILE",
+                   help="also write every attempt of the modes' runs to FILE, a JSON object "
+                   "per line (see write_attempts), to look into a missed goal request by "
+                   "request")  # fmt: skip
     a = p.parse_args(argv)
     defaults = {**ENGINE_DEFAULTS[a.engine], "grace": 5.0, **(QUICK if a.quick else {})}
     for key, value in defaults.items():
@@ -689,6 +729,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
         capacity_probes=a.capacity_probes,
         classes=a.classes,
         classes_seconds=a.classes_seconds,
+        requests_out=Path(a.requests_out) if a.requests_out else None,
     )
     return cfg, opts, Path(a.out)
 

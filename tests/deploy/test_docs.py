@@ -136,6 +136,8 @@ QUOTING = {
     "vllm.md": {("rows", "vllm-dtype-results.md")},
     "latency-target.md": {("slo goodput per phase", "slo-results.json"),
                           ("lines", "slo-results.md"), ("rows", "slo-results.md"),
+                          ("slo goodput per phase", "slo-earlier3-results.json"),
+                          ("lines", "slo-earlier3-results.md"),
                           ("slo goodput per phase", "slo-earlier1-results.json"),
                           ("lines", "slo-earlier1-results.md"),
                           ("slo goodput per phase", "slo-vllm-results.json"),

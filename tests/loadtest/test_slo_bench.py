@@ -20,6 +20,7 @@ import math
 import random
 import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -234,7 +235,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, 
     """One quick run: its JSON, its markdown, its stderr."""
     out = tmp_path_factory.mktemp("slo") / "out"
     cmd = [PYTHON, "-m", "loadtest.slo", "--quick", "--capacity", f"{CAPACITY:g}",
-           "--target-ms", f"{TARGET_MS:g}", "--out", str(out)]  # fmt: skip
+           "--target-ms", f"{TARGET_MS:g}", "--out", str(out),
+           "--requests-out", str(_attempts_file(tmp_path_factory))]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("slo-results.md", "slo-results.json", "slo-off.png", "slo-shipped.png",
@@ -281,6 +283,45 @@ def test_every_mode_runs_every_phase_from_the_same_arrivals(
     # 10x against thresholds: refused, and retried like the OpenAI SDK (at most 3 attempts).
     assert shipped[2]["requests"] < shipped[2]["attempts"] <= 3 * shipped[2]["requests"]
     assert res["load_average"]["before"] and res["load_average"]["after"]
+
+
+def _attempts_file(factory: pytest.TempPathFactory) -> Path:
+    return factory.getbasetemp() / "slo-attempts.jsonl"
+
+
+@needs_matplotlib
+@pytest.mark.timeout(300)
+def test_every_attempt_is_written_with_its_answer_for_a_look_request_by_request(
+    run: tuple[dict[str, Any], str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--requests-out``: a JSON line per attempt of every mode, as many as the results
+    count, each with its answer; the refusals name their check, and a request's last attempt
+    carries what Envoy's access log says of it."""
+    res, _, _ = run
+    rows = [json.loads(x) for x in _attempts_file(tmp_path_factory).read_text().splitlines()]
+    for m in res["modes"]:
+        name = m["mode"]["name"]
+        mine = [r for r in rows if r["mode"] == name]
+        assert len(mine) == sum(p["attempts"] for p in m["phases"]), name
+        assert len({r["request"] for r in mine}) == sum(p["requests"] for p in m["phases"])
+        assert {r["attempt"] for r in mine} <= {0, 1, 2}
+        refused = [r for r in mine if r["status"] == 529]
+        assert len(refused) == sum(p["rejected_attempts"] for p in m["phases"]), name
+        for r in refused:
+            assert r["ttft_ms"] is None and r["shed_reason"], r
+        served = [r for r in mine if r["status"] == 200]
+        assert all(r["ttft_ms"] > 0 and r["worker"] for r in served), name
+        # A served attempt is its request's last: the access log's figures, where it has
+        # the request's line, are on it, and the worker's first byte came before the
+        # client's first token (the same request).
+        logged = [r for r in served if r.get("worker_ms") is not None]
+        assert all(r["worker_ms"] <= r["ttft_ms"] + 20 for r in logged), name
+        if name != "target alone":  # its target is unreachable: it serves next to nothing
+            assert served and logged, name
+    alone = [r for r in rows if r["mode"] == "target alone" and r["status"] == 529]
+    assert alone and {r["shed_reason"] for r in alone} == {"deadline"}
+    shipped = [r for r in rows if r["mode"] == "shipped" and r["status"] == 529]
+    assert shipped and "deadline" not in {r["shed_reason"] for r in shipped}
 
 
 @needs_matplotlib
