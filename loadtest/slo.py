@@ -647,8 +647,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the results and plots")
     p.add_argument("--requests-out", metavar="FILE",
                    help="also write every attempt of the modes' runs to FILE, a JSON object "
-                   "per line (see write_attempts), to look into a missed goal request by "
-                   "request")  # fmt: skip
+                   "per line (its mode, request, attempt, arrival, status, TTFT, refusal, "
+                   "worker, and the access log's prediction and worker time), to look into "
+                   "a missed goal request by request")  # fmt: skip
     a = p.parse_args(argv)
     defaults = {**ENGINE_DEFAULTS[a.engine], "grace": 5.0, **(QUICK if a.quick else {})}
     for key, value in defaults.items():
