@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from extproc.core.classes import ClassRegistry
 from extproc.core.deadline import (
+    PREFILL_MARGIN,
     Decision,
     Dispatch,
     Prediction,
@@ -279,6 +280,33 @@ class DeadlineAdmission:
         bisect.insort(due, (now + retry_after_ms / 1000, user_arrived))
         if len(due) > RETRY_MEMORY:
             del due[0]
+
+    def no_retry_fits(
+        self,
+        model: str,
+        prompt_tokens: int,
+        target_s: float,
+        start: float,
+        retry_after_ms: int,
+        now: float,
+        priority: int = 0,
+    ) -> bool:
+        """Whether the retry of a request of ``model`` refused at ``now``, coming back
+        after ``retry_after_ms`` (as the OpenAI SDKs do), can no longer be admitted: its
+        deadline counts from ``start`` (its user's first attempt), and what will be left of
+        ``target_s`` then is below every worker's idle TTFT for its prompt with the spread
+        of the prefill fit (the least any later prediction of it can be; without the spread
+        for the best class, judged on its mean). False while no worker is measured."""
+        lenient = self.best_class(priority)
+        floors = []
+        for w in self.pool.by_model.get(model, ()):
+            est = self.estimates.get(w.worker_id)
+            if est is None or not est.fit.count:
+                return False  # unmeasured: it may be faster than any other
+            spread = 0.0 if lenient else PREFILL_MARGIN * (est.fit.abs_residual.get() or 0.0)
+            floors.append(est.idle_ttft(prompt_tokens) + spread)
+        left = target_s - (now + retry_after_ms / 1000 - start)
+        return bool(floors) and min(floors) > left
 
     def user_arrival(self, model: str, arrived: float, retry: bool, now: float) -> float:
         """When the deadline of a request that reached the router at ``arrived`` counts

@@ -140,6 +140,7 @@ class _Stream:
         "held_prediction",
         "held_since",
         "model",
+        "numbered",
         "phase",
         "prompt_tokens",
         "request_class",
@@ -170,6 +171,7 @@ class _Stream:
         self.prompt_tokens = 0
         self.request_id: str | None = None
         self.retry = False  # the client numbers this attempt as a retry
+        self.numbered = False  # the client numbers its attempts (its retries are matched)
         self.stream = False  # the body asked for a streamed response
         # The gateway's endpoint subset (Endpoint Picker protocol): None = not given; under
         # deadline admission, its workers and the address the gateway named for each.
@@ -349,6 +351,7 @@ class ExtProcHandler:
             elif key == REQUEST_ID_HEADER:
                 st.request_id = _header_value(h)
             elif key == RETRY_COUNT_HEADER:
+                st.numbered = True
                 st.retry = _header_value(h).strip() not in ("", "0")
             elif key == "content-length":
                 length = _header_value(h)
@@ -689,12 +692,27 @@ class ExtProcHandler:
         self.metrics.deadline_rejections.labels(st.model).inc()
         self.metrics.rejections.labels(st.model, st.endpoint_label or "").inc()
         self._count_class(st, st.model, "overloaded")
-        if self.admission is not None:
-            self.admission.told(
-                st.model, st.deadline_from, decision.retry_after_ms, self.pool.clock()
+        final = False
+        admission = self.admission
+        if admission is not None:
+            now = self.pool.clock()
+            admission.told(st.model, st.deadline_from, decision.retry_after_ms, now)
+            cls = st.request_class
+            final = (
+                st.numbered
+                and st.target_s is not None
+                and admission.no_retry_fits(
+                    st.model,
+                    st.prompt_tokens,
+                    st.target_s,
+                    st.deadline_from,
+                    decision.retry_after_ms,
+                    now,
+                    cls.priority if cls is not None else 0,
+                )
             )
         return self.replies.deadline(
-            decision.retry_after, decision.retry_after_ms, st.request_class
+            decision.retry_after, decision.retry_after_ms, st.request_class, final
         )
 
     async def _wait_held(self, st: _Stream, future: asyncio.Future[Any]) -> bytes:

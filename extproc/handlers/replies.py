@@ -37,6 +37,8 @@ SHED_CLASS_HEADER = "x-shed-class"
 # OpenAI SDKs read it before Retry-After).
 DEADLINE_REASON = "deadline"
 RETRY_AFTER_MS_HEADER = "retry-after-ms"
+# The OpenAI SDKs' override of their retry rule: "false", no retry at all.
+SHOULD_RETRY_HEADER = "x-should-retry"
 # Deadline replies kept (one per status, wait in ms and class); cleared when exceeded.
 DEADLINE_CACHE = 4096
 DEFAULT_CLASS = "default"
@@ -295,7 +297,7 @@ class Replies:
         self.busy_statuses = busy_statuses
         self.protocol = protocol
         self._overloads: dict[tuple[int, int, str, str], bytes] = {}
-        self._deadlines: dict[tuple[int, int, int, str], bytes] = {}
+        self._deadlines: dict[tuple[int, int, int, str, bool], bytes] = {}
         self._extensions: dict[int, bytes] = {}
         self._routes: dict[tuple[str, ...], bytes] = {}
         self._models: tuple[tuple[str, ...], bytes] | None = None
@@ -321,18 +323,23 @@ class Replies:
         return reply
 
     def deadline(
-        self, retry_after: int, retry_after_ms: int, cls: RequestClass | None = None
+        self,
+        retry_after: int,
+        retry_after_ms: int,
+        cls: RequestClass | None = None,
+        final: bool = False,
     ) -> bytes:
         """The overload reply of deadline admission: no worker is predicted to give a
         first token within the target. The class's status as in :meth:`overload`; the
         retry headers come from the predicted wait (``Retry-After`` whole seconds 1-60,
         ``retry-after-ms`` at least 1), whatever the class configures; ``x-shed-reason:
-        deadline``."""
+        deadline``. ``final``: no retry can meet its user's target any more, and
+        ``x-should-retry: false`` says so to the OpenAI SDKs, which then do not retry."""
         status = self.overload_status if cls is None or cls.status is None else cls.status
         name = DEFAULT_CLASS if cls is None else cls.name
         retry = max(1, min(MAX_RETRY_AFTER, retry_after))
         ms = max(1, retry_after_ms)
-        key = (status, retry, ms, name)
+        key = (status, retry, ms, name, final)
         reply = self._deadlines.get(key)
         if reply is None:
             if len(self._deadlines) >= DEADLINE_CACHE:
@@ -343,6 +350,8 @@ class Replies:
                 SHED_CLASS_HEADER: name,
                 SHED_REASON_HEADER: DEADLINE_REASON,
             }
+            if final:
+                headers[SHOULD_RETRY_HEADER] = "false"
             body = error_body("Service temporarily overloaded", status)
             reply = self._deadlines[key] = immediate(status, body, headers)
         return reply

@@ -148,6 +148,30 @@ def test_an_sdk_retry_due_after_a_deadline_reply_keeps_its_users_deadline() -> N
     assert destination(parsed(raw)) == "127.0.0.1:1"
 
 
+def test_a_refusal_no_retry_can_turn_into_a_first_token_in_time_says_not_to_retry() -> None:
+    """The OpenAI SDK numbers its attempts (``x-stainless-retry-count``), so its retry will
+    count from this first attempt. Refused with a wait of about 1 s against a 500 ms target,
+    no retry can meet it: ``x-should-retry: false``. Against 2 s, the retry due after the
+    wait still can: no such header; nor for a client that numbers no attempt."""
+    handler, clock = make(target_ms=500.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")  # takes the only slot
+    _, raw = send(handler, "sdk", retry_count=0)
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and hdrs["x-should-retry"] == "false"
+    _, raw = send(handler, "plain")
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and "x-should-retry" not in hdrs
+
+    handler, clock = make(target_ms=2000.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")
+    _, raw = send(handler, "sdk", retry_count=0)
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and "x-should-retry" not in hdrs
+    assert int(hdrs["retry-after-ms"]) < 2000 - 100  # its retry still has room for a prefill
+
+
 def test_a_request_that_would_wait_past_the_target_is_rejected_at_once() -> None:
     handler, clock = make(target_ms=500.0)
     learn(handler, clock, "a")

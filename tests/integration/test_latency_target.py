@@ -213,9 +213,15 @@ async def test_a_wait_past_the_target_is_answered_at_once_and_removing_the_targe
         assert refused.headers["x-shed-reason"] == "deadline"
         assert 1 <= int(refused.headers["retry-after"]) <= 60
         assert int(refused.headers["retry-after-ms"]) >= 1
-        assert stack.metric("extproc_decisions_total", {"outcome": "deadline"}) == 1
+        assert "x-should-retry" not in refused.headers  # a client that numbers no attempt
+        # The OpenAI SDK numbers its attempts: its retry, due after the ~2 s wait, could not
+        # meet the 300 ms counted from this first attempt, and the reply says not to retry.
+        sdk = await request(session, url, SHORT, {"x-stainless-retry-count": "0"})
+        assert sdk.status == 529 and sdk.headers["x-shed-reason"] == "deadline"
+        assert sdk.headers["x-should-retry"] == "false"
+        assert stack.metric("extproc_decisions_total", {"outcome": "deadline"}) == 2
         labels = {"model": "m", "endpoint": "completions"}
-        assert stack.metric("dynamo_frontend_model_rejection_total", labels) == 1
+        assert stack.metric("dynamo_frontend_model_rejection_total", labels) == 2
         assert (await long).status == 200
         # The slot free again: the same request fits the target.
         assert (await request(session, url, SHORT)).status == 200
@@ -234,7 +240,7 @@ async def test_a_wait_past_the_target_is_answered_at_once_and_removing_the_targe
         admitted = await request(session, url, SHORT)
         assert admitted.status == 200  # it waits in the engine: nothing is rejected
         assert (await long).status == 200
-    assert stack.metric("extproc_decisions_total", {"outcome": "deadline"}) == 1
+    assert stack.metric("extproc_decisions_total", {"outcome": "deadline"}) == 2
 
 
 async def test_a_worker_without_queue_fields_is_predicted_from_the_gateways_timings(
