@@ -696,7 +696,6 @@ class ExtProcHandler:
         admission = self.admission
         if admission is not None:
             now = self.pool.clock()
-            admission.told(st.model, st.deadline_from, decision.retry_after_ms, now)
             cls = st.request_class
             final = (
                 st.numbered
@@ -711,6 +710,8 @@ class ExtProcHandler:
                     cls.priority if cls is not None else 0,
                 )
             )
+            if not final:  # told not to retry, the SDK does not: no retry of it is due
+                admission.told(st.model, st.deadline_from, decision.retry_after_ms, now)
         return self.replies.deadline(
             decision.retry_after, decision.retry_after_ms, st.request_class, final
         )

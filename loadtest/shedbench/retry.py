@@ -62,7 +62,8 @@ class OpenAIRetry:
     def describe(self) -> str:
         return (
             f"the OpenAI SDK's: {self.max_retries} retries of 408, 409, 429, 5xx and "
-            "connection errors; before each, `retry-after-ms`, else `Retry-After`, when in "
+            "connection errors, none after `x-should-retry: false`; before each, "
+            "`retry-after-ms`, else `Retry-After`, when in "
             f"(0, {self.honoured_up_to:g}] s, else {self.initial:g} s x 2^n (at most "
             f"{self.cap:g} s) x a jitter in (0.75, 1]; each attempt numbered in "
             f"`{RETRY_COUNT_HEADER}` (0, 1, 2)"

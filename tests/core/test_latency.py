@@ -263,3 +263,15 @@ def test_an_unreachable_target_still_measures_a_free_worker_four_times_a_second(
         # Within the prefill fit's memory (about the last 100 requests).
         assert probes < 100, "the measurement does not follow the worker"
     assert isinstance(decision, Dispatch)
+
+
+def test_no_retry_fits_once_what_is_left_is_below_every_idle_ttft() -> None:
+    """Measured: about 0.1 s to a first token on an idle worker. A retry due 0.95 s into a
+    1 s target has 50 ms left: none fits; due at 0.5 s it may. A worker not yet measured may
+    be faster than any: never "none fits" while one is in the pool."""
+    admission, _, t = one_slot_measured()
+    assert admission.no_retry_fits("m", 100, 1.0, t, 950, t)
+    assert not admission.no_retry_fits("m", 100, 1.0, t, 500, t)
+    assert not admission.no_retry_fits("nope", 100, 1.0, t, 950, t)  # no worker: unknown
+    admission.pool.announce("new", model="m", endpoint="127.0.0.1:2")
+    assert not admission.no_retry_fits("m", 100, 1.0, t, 950, t)

@@ -159,9 +159,12 @@ def test_a_refusal_no_retry_can_turn_into_a_first_token_in_time_says_not_to_retr
     _, raw = send(handler, "sdk", retry_count=0)
     status, hdrs, _ = local(parsed(raw))
     assert status == 529 and hdrs["x-should-retry"] == "false"
+    admission = handler.admission
+    assert admission is not None and not admission.due  # no retry of it will come
     _, raw = send(handler, "plain")
     status, hdrs, _ = local(parsed(raw))
     assert status == 529 and "x-should-retry" not in hdrs
+    assert len(admission.due["m"]) == 1  # its client may retry: the retry is due
 
     handler, clock = make(target_ms=2000.0)
     learn(handler, clock, "a")
