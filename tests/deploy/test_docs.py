@@ -143,6 +143,8 @@ QUOTING = {
                           ("lines", "slo-earlier3-results.md"),
                           ("slo goodput per phase", "slo-earlier1-results.json"),
                           ("lines", "slo-earlier1-results.md"),
+                          ("slo goodput per phase", "slo-vllm-results.json"),
+                          ("lines", "slo-vllm-results.md"),
                           ("slo goodput per phase", "slo-vllm-earlier5-results.json"),
                           ("lines", "slo-vllm-earlier5-results.md"),
                           ("slo goodput per phase", "slo-vllm-earlier4-results.json"),
