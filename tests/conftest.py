@@ -104,6 +104,7 @@ TESTS = Path(__file__).resolve().parent
 LONG_MODULES = {
     "integration/test_vllm.py": 194,
     "loadtest/test_slo_bench.py": 72,
+    "core/test_deadline.py": 70,
     "integration/test_faults.py": 69,
     "loadtest/test_soak.py": 64,
     "loadtest/test_overload_llamacpp.py": 57,
@@ -118,7 +119,6 @@ LONG_MODULES = {
     "deploy/test_prometheus_grafana.py": 25,
     "loadtest/test_locustfile.py": 22,
     "integration/test_epp_deadline.py": 21,
-    "core/test_deadline.py": 21,
     "deploy/test_devstack_llamacpp.py": 19,
     "handlers/test_router_queue.py": 18,
     "integration/test_served_host.py": 18,
