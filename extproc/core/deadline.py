@@ -653,7 +653,7 @@ def predict_ttft(
         rate = est.rate_now(now)
         wait = None if rate is None else (ahead + 1) / rate
         first = None
-        if rate is not None and first_slot:
+        if rate is not None and first_slot and ahead + 1 <= AGES_FOR:
             first = _nth_free(est.running(now), ahead + 1)
         if first is not None:  # the slot it frees for this one: from its requests' ages
             wait, wait_spread, wait_low = _spread(first)
@@ -744,7 +744,7 @@ def predict_all(
     completions the pool needs at its rate in all); the others at their own next free slot."""
     pool = pool_wait(estimates, held_ahead, now)
     first = None
-    if pool is not None:
+    if pool is not None and pool.completions <= AGES_FOR + ROUNDING:
         # The slot they free for it, from the running requests' ages: when as many of them
         # have ended as there are requests ahead of it, held and waiting at the engines.
         full = [e for e in estimates if e.worker in pool.backlog]
