@@ -99,13 +99,17 @@ router ahead of it::
   100 requests, and every one sent meanwhile is predicted fast. So when each of the last
   ``PACE_SAMPLES`` free-slot requests took longer than the fit predicted for it, the
   prediction is scaled by the smallest of their ratios (each of them was at least that much
-  slower), and back to 1 as soon as one is not (the fit has caught up). Only upwards: a fit
+  slower), and back to 1 as soon as one is not (the fit has caught up). The requests that
+  seem to have waited for a slot (``QUEUE_FACTOR``, which the fit leaves out) count here:
+  a worker three times slower looks the same, and the next request sent to a free slot
+  will likely take as long (but not on a worker whose slots are learnt from the timings:
+  there they lower the slots instead). Only upwards: a fit
   that predicts too long costs a few admissions for a while, one that predicts too short
   costs the target; and 3 errors in a row on the low side are common in steady state (a
   prefill's time is skewed: mostly a little under the fit, now and then far over), where
   scaling down by them let more requests in late. On two plant workers whose prefill is a
-  large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 29 requests late in that
-  time against 71 from the fit alone (seeds 1 to 8).
+  large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 26 requests late in that
+  time and 5 s after against 71 from the fit alone (seeds 1 to 8).
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -369,20 +373,21 @@ class WorkerEstimate:
         if not f.free:
             return
         elapsed = now - f.dispatched
-        queued = (
-            self.fit.count >= MIN_FIT_SAMPLES and elapsed > QUEUE_FACTOR * f.expected + QUEUE_MARGIN
-        )
-        if queued:
-            if learn:  # sent to a presumed free slot, it waited: no more than that
-                guess = f.occupancy if self.slots_guess is None else self.slots_guess
-                self.slots_guess = max(1, min(guess, f.occupancy))
-                self.guessed_at = now
-            return
         tokens = f.prompt_tokens + f.pending
         fitted = self.fit.predict(tokens)
-        if self.fit.count >= MIN_FIT_SAMPLES and fitted > 0 and PACE_SAMPLES:
+        trusted = self.fit.count >= MIN_FIT_SAMPLES
+        queued = trusted and elapsed > QUEUE_FACTOR * f.expected + QUEUE_MARGIN
+        if queued and learn:  # sent to a presumed free slot, it waited: no more than that
+            guess = f.occupancy if self.slots_guess is None else self.slots_guess
+            self.slots_guess = max(1, min(guess, f.occupancy))
+            self.guessed_at = now
+            return
+        if trusted and fitted > 0 and PACE_SAMPLES:
+            # What the next request sent to a free slot will likely take: a request that
+            # seemed to wait counts too, as a worker 3x slower looks the same.
             self.ratios.append(elapsed / fitted)
-        self.fit.add(tokens, elapsed)
+        if not queued:
+            self.fit.add(tokens, elapsed)
 
     def ended(
         self,

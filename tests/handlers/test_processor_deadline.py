@@ -46,18 +46,26 @@ def make(
     return handler, clock
 
 
-def learn(handler: ExtProcHandler, clock: Clock, wid: str, n: int = 8, scale: float = 1.0) -> None:
+def learn(
+    handler: ExtProcHandler,
+    clock: Clock,
+    wid: str,
+    n: int = 8,
+    scale: float = 1.0,
+    prefill_s: float | None = None,
+) -> None:
     """``n`` requests on ``wid`` alone, each 0.1 s to its first byte and 1 s in all (times
-    ``scale``)."""
+    ``scale``; ``prefill_s``: that to its first byte instead)."""
     admission = handler.admission
     assert admission is not None
     worker = handler.pool.workers[wid]
     for i in range(n):
         key = ("warm", wid, i)
         admission.dispatched(key, worker, 100, clock.t, clock.t)
-        clock.t += 0.1 * scale
+        prefill = 0.1 * scale if prefill_s is None else prefill_s
+        clock.t += prefill
         admission.first_byte(key, worker, clock.t)
-        clock.t += 0.9 * scale
+        clock.t += scale - prefill
         admission.ended(key, worker, clock.t, 10)
 
 
@@ -168,12 +176,12 @@ def test_a_refusal_no_retry_can_turn_into_a_first_token_in_time_says_not_to_retr
     assert status == 529 and "x-should-retry" not in hdrs
     assert len(admission.due["m"]) == 1  # its client may retry: the retry is due
 
-    # Slot times of 1 s and of 3 s: the slot frees in about 2 s, perhaps 3 s, so against
-    # 2.5 s the request is refused, but the retry due after the mean wait still can be
-    # served in time.
+    # Slot times of 1 s and of 3 s (prefills of 0.1 s): the slot frees in about 2 s,
+    # perhaps 3 s, so against 2.5 s the request is refused, but the retry due after the
+    # mean wait still can be served in time.
     handler, clock = make(target_ms=2500.0)
     learn(handler, clock, "a", n=4)
-    learn(handler, clock, "a", n=4, scale=3.0)
+    learn(handler, clock, "a", n=4, scale=3.0, prefill_s=0.1)
     send(handler, "r1")
     _, raw = send(handler, "sdk", retry_count=0)
     status, hdrs, _ = local(parsed(raw))
