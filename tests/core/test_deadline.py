@@ -631,7 +631,7 @@ def test_a_worker_that_slows_down_is_predicted_at_its_pace_after_three_requests(
     if it waited for a slot, and the fit leaves it out) as long: after the third slow one
     the prefill is predicted at about that (the smallest of their ratios); from the fit
     alone it has moved a few per cent (not at all). Mixed errors, or a worker faster than
-    its fit, leave the fit alone."""
+    its fit, leave the pace at 1."""
     slow = 0.1 * factor
 
     def slowed() -> tuple[float, float]:
