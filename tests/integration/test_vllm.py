@@ -417,14 +417,18 @@ def _vllm_view(engine: Engine) -> tuple[int, int, int]:
 
 
 def _window(s: VllmStack, engine: Engine) -> tuple[tuple[int, int, int], list[LoadEvent]]:
-    """vLLM's view, the agent's load events over 5 scrapes, and vLLM's view again, returned
-    once the two views are the same (the engine was steady meanwhile)."""
+    """vLLM's view, then 5 scrapes' time to settle, the view again, the agent's load events
+    over the next 5 scrapes and the view a third time, returned once the three views are the
+    same (the engine was steady meanwhile). The settling keeps out an event whose scrape was
+    read before the engine steadied but published late (an agent slowed by a busy CPU)."""
 
     def attempt() -> tuple[tuple[int, int, int], list[LoadEvent]] | None:
         before = _vllm_view(engine)
+        s.events(5 * SCRAPE)
+        settled = _vllm_view(engine)
         events = [e for e in s.events(5 * SCRAPE) if isinstance(e, LoadEvent)]
         after = _vllm_view(engine)
-        return (after, events) if before == after and events else None
+        return (after, events) if before == settled == after and events else None
 
     window: tuple[tuple[int, int, int], list[LoadEvent]] = wait_until(attempt, "a steady window")
     return window
