@@ -101,8 +101,9 @@ router ahead of it::
   Under a tight target that made a fresh worker unreachable, and one that got no more
   requests stayed so: on the plant of tests/core/plant.py, two fresh workers of 4 slots,
   prefills of 0.3-0.7 s and a 1.5-s target, seeds 1 to 4, 94 % of the requests were admitted
-  at 30 % of capacity (all let in, none would have been late) and 85 % at 50 %, against 100 %
-  and 99 % from a trusted fit's errors alone (3 and 1 late).
+  at 30 % of capacity (all let in, none would have been late) and 85 % at 50 %, 3 late in
+  all, against 100 % and 99 %, 1 late, from a trusted fit's errors alone. Before its
+  ``MIN_FIT_SAMPLES + 1``-th request a worker's prefill is judged without a spread.
 - ``pace``: the prediction is ``fit x pace``. A fit of about the last 100 requests follows a
   worker that becomes slower (a neighbour on its GPU or CPU, a throttled clock) over about
   100 requests, and every one sent meanwhile is predicted fast. So when each of the last
@@ -631,6 +632,9 @@ class WorkerEstimate:
             "prefill_ms_per_1k_tokens": round(self.fit.cost * 1000, 3),
             "prefill_overhead_ms": round(self.fit.overhead * 1000, 1),
             "prefill_pace": round(self.pace(), 3),
+            "prefill_spread_ms": round(
+                PREFILL_MARGIN * (self.fit.abs_residual.get() or 0.0) * 1000, 1
+            ),
             "completion_rate_per_s": None if rate is None else round(rate, 3),
             "completion_rate_now_per_s": None if rate_now is None else round(rate_now, 3),
             "oldest_running_ms": round(max(ages) * 1000, 1) if ages else None,

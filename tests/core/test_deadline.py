@@ -597,6 +597,16 @@ def test_the_prefill_spread_counts_the_errors_of_a_trusted_fit_only() -> None:
         fit.add(200, 0.5)
     later = fit.abs_residual.get()
     assert later is not None and later < 0.03, later
+    est = WorkerEstimate("w")  # /debug/workers shows the spread: 0 until the fit is trusted
+    for i in range(MIN_FIT_SAMPLES):
+        assert est.view(float(i))["prefill_spread_ms"] == 0.0
+        est.dispatched(i, 200, float(i))
+        est.first_byte(i, i + 0.5)
+        est.ended(i, i + 0.6)
+    est.dispatched("next", 200, 10.0)
+    est.first_byte("next", 10.5)
+    shown = est.view(11.0)["prefill_spread_ms"]
+    assert shown == round(2000 * (est.fit.abs_residual.get() or 0.0), 1) and shown > 0, shown
 
 
 def test_a_worker_with_no_data_is_routable_with_everything_missing() -> None:
