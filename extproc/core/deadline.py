@@ -120,6 +120,32 @@ router ahead of it::
   scaling down by them let more requests in late. On two plant workers whose prefill is a
   large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 150 requests late in that
   time and 5 s after against 249 from the fit alone (seeds 1 to 32).
+- ``step pace``: the pace reads the first bytes of requests sent after a worker slowed, so
+  the requests sent before three of them are back are predicted at the old speed. The
+  worker's running streams show it sooner: the time between a stream's tokens is the
+  engine's step, and a worker whose steps take twice as long has slowed as a whole. The step
+  now is the time per token of about the last ``STEP_SAMPLES`` chunks of the worker's
+  streams (each chunk's time since its stream's last, over its tokens; the first chunk, the
+  prefill's, is not counted), from ``STEP_MIN`` tokens; its base is the time per token of all
+  the chunks between two of the fit's samples, averaged over about the fit's last
+  ``STEP_BASE_SAMPLES`` (as the fit forgets): the step the fit learnt at. A time per token,
+  not a median of gaps: a worker paused for part of each 100 ms (a neighbour taking the CPU)
+  delays one gap in several, and only the time per token doubles with it; and all the
+  chunks between the fit's samples, not the ones just before a sample: those include the
+  step that prefilled it, longer than the rest (on the simulated workers the base came out
+  20 % above the step). When the step is ``STEP_TRIGGER`` times its base or more, the
+  prefill is predicted at ``fit x`` that ratio (or the pace, if larger). Below, it does
+  nothing: an engine's step grows with the sequences it decodes at once (on the simulated
+  workers, 20 ms for one, 23 ms for 17), and the fit learnt at the batches it has seen. The
+  step keeps its last value while the worker streams nothing (a worker then predicted too
+  slow for every request still gets a request now and then: the extproc sends a rejected
+  request to a free worker whose idle prediction alone misses the target, every 0.25 s). On
+  the plant of tests/core/plant.py streaming chunks of 4 tokens, two workers at 3x, one
+  twice as slow for 20 s, seeds 1 to 8: with prefill a large part of a 0.5-s target, 12
+  requests late in that time and 5 s after against 34 from the pace alone; with a 1-s
+  target, 0 against 9; no change before the slowdown (8 and 3 late). On the simulated
+  workers at 3x, the step pace rose to 1.7 within 0.1 s of a worker becoming twice as slow;
+  the pace of its first bytes 0.4-1.3 s later.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -198,6 +224,14 @@ MIN_FIT_SAMPLES = 4  # before this many free-slot requests the prefill is not tr
 # requests took longer than the fit predicted, the prediction is scaled up by the smallest
 # of their ratios until the fit has caught up.
 PACE_SAMPLES = 3
+# The engine's step (the module's rule): the time per token of about the last STEP_SAMPLES
+# chunks of the worker's streams, against its value when the fit learnt (the time per token
+# between the fit's samples, averaged over about its last STEP_BASE_SAMPLES); from STEP_MIN
+# tokens, and acting from STEP_TRIGGER times slower.
+STEP_SAMPLES = 32
+STEP_BASE_SAMPLES = 100
+STEP_MIN = 8
+STEP_TRIGGER = 1.5
 QUEUE_FACTOR = 2.0  # a first byte later than this x the predicted prefill ...
 QUEUE_MARGIN = 0.05  # ... + this (s) means the request waited for a slot
 PROBE_EVERY = 10.0  # s: how often a gateway-only worker may take one request past its slots
@@ -296,6 +330,7 @@ class _Flight:
     pending: int  # prompt tokens started before it and not yet at their first token
     expected: float  # its prefill as predicted when it was sent
     first_byte: float | None = None
+    last_token: float | None = None  # when its stream's last tokens came
 
 
 class WorkerEstimate:
@@ -309,6 +344,13 @@ class WorkerEstimate:
         self.fit = PrefillFit()
         # The last PACE_SAMPLES free-slot requests' measured over fitted prefill.
         self.ratios: deque[float] = deque(maxlen=PACE_SAMPLES)
+        # The recent chunks of the streams: (seconds since the stream's last chunk, tokens);
+        # their time per token (None: not taken since the last chunk); the time and tokens
+        # since the fit's last sample; the time per token at the fit's samples.
+        self.gaps: deque[tuple[float, int]] = deque(maxlen=STEP_SAMPLES)
+        self._step: float | None = None
+        self.since_fit = [0.0, 0]
+        self.step_base = Ewma(STEP_BASE_SAMPLES)
         self.service = Ewma()
         self.slot_times: deque[float] = deque(maxlen=EWMA_SAMPLES)  # the recent ones, raw
         self._survival: Survival | None = None  # of the slot times, built when asked
@@ -399,6 +441,43 @@ class WorkerEstimate:
             self.ratios.append(elapsed / fitted)
         if not queued:
             self.fit.add(tokens, elapsed)
+            seconds, count = self.since_fit
+            if count >= STEP_MIN:  # the step the fit learnt at
+                self.step_base.add(seconds / count)
+                self.since_fit = [0.0, 0]
+
+    def tokens(self, key: Hashable, now: float, count: int) -> None:
+        """``count`` more generated tokens of ``key``'s stream reached the router at ``now``
+        (after its first byte): the time since its last ones is the engine's step."""
+        f = self.flights.get(key)
+        if f is None or f.first_byte is None or count <= 0:
+            return
+        last = f.first_byte if f.last_token is None else f.last_token
+        f.last_token = now
+        gap = max(0.0, now - last)
+        self.gaps.append((gap, count))
+        self._step = None
+        self.since_fit[0] += gap
+        self.since_fit[1] += count
+
+    def step(self) -> float | None:
+        """The engine's step now: the time per token of the recent chunks (None: fewer than
+        ``STEP_MIN`` tokens)."""
+        if self._step is None:
+            tokens = sum(c for _, c in self.gaps)
+            if tokens >= STEP_MIN:
+                self._step = sum(g for g, _ in self.gaps) / tokens
+        return self._step
+
+    def step_pace(self) -> float:
+        """How many times slower the engine's steps are now than when the fit learnt
+        (the module's rule): from ``STEP_TRIGGER``, else 1."""
+        step = self.step()
+        base = self.step_base.get()
+        if step is None or not base:
+            return 1.0
+        ratio = step / base
+        return ratio if ratio >= STEP_TRIGGER else 1.0
 
     def ended(
         self,
@@ -433,11 +512,11 @@ class WorkerEstimate:
     def pace(self) -> float:
         """How many times the fit's prefill the worker takes now (the module's rule): the
         smallest ratio of measured to fitted of the last ``PACE_SAMPLES`` free-slot
-        requests when each took longer than fitted, else 1."""
+        requests when each took longer than fitted, or the engine's step pace, whichever is
+        larger; else 1."""
         r = self.ratios
-        if not r or len(r) < (r.maxlen or 0):
-            return 1.0
-        return max(1.0, min(r))
+        paced = 1.0 if not r or len(r) < (r.maxlen or 0) else max(1.0, min(r))
+        return max(paced, self.step_pace())
 
     def prefill(self, tokens: float) -> float:
         """The predicted prefill of ``tokens`` here now: the fit at the worker's pace."""
@@ -632,6 +711,8 @@ class WorkerEstimate:
             "prefill_ms_per_1k_tokens": round(self.fit.cost * 1000, 3),
             "prefill_overhead_ms": round(self.fit.overhead * 1000, 1),
             "prefill_pace": round(self.pace(), 3),
+            "step_ms": None if (step := self.step()) is None else round(step * 1000, 2),
+            "step_pace": round(self.step_pace(), 3),
             "prefill_spread_ms": round(
                 PREFILL_MARGIN * (self.fit.abs_residual.get() or 0.0) * 1000, 1
             ),

@@ -186,6 +186,12 @@ class DeadlineAdmission:
         if est is not None:
             est.first_byte(key, now)
 
+    def tokens(self, key: Hashable, worker: Worker, now: float, count: int) -> None:
+        """``count`` more generated tokens of ``key``'s stream reached the router."""
+        est = self.estimates.get(worker.worker_id)
+        if est is not None:
+            est.tokens(key, now, count)
+
     def ended(
         self,
         key: Hashable,

@@ -398,4 +398,8 @@ class InFlight:
             usage = usage_tokens(body)
             tokens = 0 if usage is None else usage - ticket.generated
         if tokens > 0:
-            self.table.pool.generated(ticket, tokens)
+            table = self.table
+            table.pool.generated(ticket, tokens)
+            admission = table.admission
+            if admission is not None and self.stream:  # the engine's step, from the gaps
+                admission.tokens(self.key, ticket.worker, table.pool.clock(), tokens)

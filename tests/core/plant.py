@@ -5,7 +5,9 @@
   (continuous batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``,
   then its first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
   ``decode_s_per_token`` and frees its slot. ``slowdown`` multiplies both per-token costs
-  (a worker that becomes slower: :meth:`Sim.slow_down`).
+  (a worker that becomes slower: :meth:`Sim.slow_down`). With ``chunk_tokens``, a request's
+  decode streams chunks of that many tokens, each at the slowdown of its time, and the
+  router sees each (:meth:`Router.tokens`); without, the decode is one span, timed at start.
 - Arrivals are Poisson (seeded), prompt and output lengths uniform; :meth:`Sim.add` adds
   others at given times with given lengths.
 - The router sees each request ``gateway_s`` after it arrives (its own delay), and what an
@@ -38,6 +40,7 @@ class Params:
     gateway_s: float = 0.003
     net_s: float = 0.001
     reports: bool = True
+    chunk_tokens: int = 0
 
     def mean_service(self) -> float:
         """Mean time a request holds a slot with no prefill contention."""
@@ -82,6 +85,9 @@ class Router:
     def first_byte(self, engine: Engine, req: Request, now: float) -> None:
         pass
 
+    def tokens(self, engine: Engine, req: Request, count: int, now: float) -> None:
+        pass
+
     def ended(self, engine: Engine, req: Request, now: float) -> None:
         pass
 
@@ -118,9 +124,25 @@ class Engine:
         done = max(now, self.prefill_free_at) + prefill
         self.prefill_free_at = done
         first = done + p.overhead_s
-        end = first + req.output * p.decode_s_per_token * self.slowdown
         self.sim.at(first + p.net_s, partial(self._first, req))
+        if p.chunk_tokens:
+            self.sim.at(first, partial(self._decode, req, req.output))
+            return
+        end = first + req.output * p.decode_s_per_token * self.slowdown
         self.sim.at(end, partial(self._end, req))
+
+    def _decode(self, req: Request, left: int, now: float) -> None:
+        """Decode the next chunk of ``req``'s ``left`` tokens at the slowdown of now."""
+        if left <= 0:
+            self._end(req, now)
+            return
+        n = min(left, self.params.chunk_tokens)
+        done = now + n * self.params.decode_s_per_token * self.slowdown
+        self.sim.at(done + self.params.net_s, partial(self._seen_tokens, req, n))
+        self.sim.at(done, partial(self._decode, req, left - n))
+
+    def _seen_tokens(self, req: Request, n: int, now: float) -> None:
+        self.sim.router.tokens(self, req, n, now)
 
     def _first(self, req: Request, now: float) -> None:
         req.first_token = now

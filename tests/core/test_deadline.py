@@ -24,6 +24,7 @@ whatever is known (its spread is what admission adds as a margin).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
@@ -41,6 +42,8 @@ from extproc.core.deadline import (
     GATEWAY,
     MIN_FIT_SAMPLES,
     PREFILL,
+    STEP_MIN,
+    STEP_SAMPLES,
     TOTAL,
     WAITING,
     Dispatch,
@@ -261,6 +264,9 @@ class Admitting(Router):
 
     def first_byte(self, engine: Engine, req: Request, now: float) -> None:
         self.est[engine.name].first_byte(req.rid, now)
+
+    def tokens(self, engine: Engine, req: Request, count: int, now: float) -> None:
+        self.est[engine.name].tokens(req.rid, now, count)
 
     def ended(self, engine: Engine, req: Request, now: float) -> None:
         self.est[engine.name].ended(req.rid, now, req.output)
@@ -694,6 +700,7 @@ def test_a_worker_that_slows_down_is_predicted_at_its_pace_after_three_requests(
 
 
 HEAVY = replace(P, prefill_s_per_token=0.0002, prompt_tokens=(200, 1000))
+P4 = replace(P, chunk_tokens=4)
 
 
 def test_a_worker_slowing_down_for_20_s_costs_few_late_requests() -> None:
@@ -719,6 +726,87 @@ def test_a_worker_slowing_down_for_20_s_costs_few_late_requests() -> None:
     with pace_off():
         fit_alone = sum(late(seed) for seed in seeds)
     assert paced <= 0.7 * fit_alone and fit_alone - paced >= 10, (paced, fit_alone)
+
+
+def streamed(est: WorkerEstimate, t: float, n: int, gap: float, tokens: int = 20) -> float:
+    """``n`` requests of 1000 tokens, one at a time: 0.1 s to the first byte, then ``tokens``
+    tokens ``gap`` apart, one per chunk. Returns the time after the last one."""
+    for i in range(n):
+        key = ("s", i, t)
+        est.dispatched(key, 1000, t)
+        t += 0.1
+        est.first_byte(key, t)
+        for _ in range(tokens):
+            t += gap
+            est.tokens(key, t, 1)
+        est.ended(key, t, output_tokens=tokens + 1)
+        t += 0.5
+    return t
+
+
+def test_a_worker_whose_tokens_come_slower_is_predicted_slower_at_once() -> None:
+    """20 requests whose tokens come 10 ms apart; then one stream's tokens come 20 ms apart:
+    the engine's step is twice what it was when the fit learnt, and the next request's
+    prefill is predicted twice as long, before any first byte came late. 13 ms apart (a
+    fuller batch's swing): no change. Tokens before a stream's first byte, of a request not
+    in flight, or a chunk of none count nothing; a chunk of 4 tokens counts its gap over 4."""
+    est = WorkerEstimate("w")
+    t = streamed(est, 0.0, 20, 0.01)
+    assert est.step() == pytest.approx(0.01) and est.step_pace() == 1.0
+    est.dispatched("slow", 1000, t)
+    est.tokens("slow", t + 0.05, 1)  # before its first byte: the prefill's chunk
+    est.tokens("gone", t + 0.05, 1)
+    t += 0.1
+    est.first_byte("slow", t)
+    before = predict_ttft(est, 1000, 0, t).prefill
+    assert before == pytest.approx(0.1, rel=0.05) and est.step() == pytest.approx(0.01)
+    for _ in range(STEP_SAMPLES):
+        t += 0.08
+        est.tokens("slow", t, 4)
+        est.tokens("slow", t, 0)
+    assert est.step() == pytest.approx(0.02) and est.step_pace() == pytest.approx(2.0)
+    # twice the fit (the pace of its first bytes, 1.02 here, is the smaller)
+    assert predict_ttft(est, 1000, 0, t).prefill == pytest.approx(2 * est.fit.predict(1000))
+    assert est.view(t)["step_pace"] == pytest.approx(2.0)
+    for _ in range(STEP_SAMPLES):
+        t += 0.013
+        est.tokens("slow", t, 1)
+    assert est.step_pace() == 1.0
+    assert predict_ttft(est, 1000, 0, t).prefill == pytest.approx(before)
+    fresh = WorkerEstimate("w")  # no base yet, and too few gaps: no step pace
+    t = streamed(fresh, 0.0, 1, 0.01, tokens=STEP_MIN - 1)
+    assert fresh.step() is None and fresh.step_pace() == 1.0
+
+
+@contextlib.contextmanager
+def step_off() -> Iterator[None]:
+    """The prefill's pace without the engine's step, for the control."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deadline_module, "STEP_TRIGGER", math.inf)
+        yield
+
+
+def test_a_worker_slowing_down_is_seen_in_its_streams_before_its_first_bytes() -> None:
+    """Two plant workers streaming chunks of 4 tokens, at 3x their capacity, a 1-s target;
+    from 100 s to 120 s one takes twice as long per token. Requests admitted from 100 s to
+    125 s with a first token late, seeds 1 to 8: 0 from the engine's step against 9 from the
+    pace alone (with prefill a large part of a 0.5-s target, 14 against 34). The test runs
+    seeds 1 to 3."""
+
+    def late(seed: int) -> int:
+        sim = Sim(P4, Admitting(target=1.0), seed, 2)
+        sim.slow_down(100.0, "w0", 2.0)
+        sim.slow_down(120.0, "w0", 1.0)
+        reqs = sim.run(lambda t: 3.0 * sim.capacity(), 130.0)
+        window = [r for r in reqs if 100.0 <= r.arrived < 125.0 and r.outcome == "dispatched"]
+        assert len(window) > 150
+        return sum(1 for r in window if r.ttft is not None and r.ttft > 1.0)
+
+    seeds = range(1, 4)
+    stepped = sum(late(seed) for seed in seeds)
+    with step_off():
+        paced = sum(late(seed) for seed in seeds)
+    assert stepped <= 1 and paced >= 3, (stepped, paced)
 
 
 def steady(rate: float, t: float) -> float:
