@@ -12,9 +12,12 @@ request's deadline or the periodic re-decision (a timer per model). A pump
    held request when it is in the request's endpoint subset (when a gateway named one), the
    thresholds leave it free for the request's class and it has a slot free (its
    :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that never showed a
-   limit always has one), and the request fits there: it was held for that worker, or the
-   worker's idle TTFT (prefill and gateway delay) still ends before its deadline. So no
-   slot sits idle while a request that fits waits;
+   limit always has one), and the request fits there now: the worker's idle TTFT for it
+   (prefill at the worker's pace now, and gateway delay) still ends before its deadline,
+   whether or not it was held for that worker (one that slowed down since, its pace risen,
+   no longer takes it: on llama.cpp with a worker paused half of every 100 ms, the requests
+   late on it had been held a median 0.6 s and then sent to it by the worker set of their
+   hold). So no slot sits idle while a request that fits waits;
 4. decides every request still held again with the prediction of now, behind the held
    requests before it (:meth:`~extproc.core.latency.DeadlineAdmission.recheck`): one whose
    mean predicted TTFT no longer fits what is left of its target on any worker gets the
@@ -220,11 +223,11 @@ class HeldRequests:
                     continue
                 if not is_free(worker, w.variant, now):
                     continue
-                if not h.fits(wid):
-                    idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
-                    target = admission.target_s(model, w.class_name) or 0.0
-                    if now + idle > w.arrived + target:
-                        continue
+                # Whether it fits there now, held for that worker or not (the module's rule).
+                idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
+                target = admission.target_s(model, w.class_name) or 0.0
+                if now + idle > w.arrived + target:
+                    continue
                 q.remove(h.key)
                 free[wid] -= 1
                 self._finish(w, self.route(w.key, worker))

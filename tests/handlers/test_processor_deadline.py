@@ -53,9 +53,11 @@ def learn(
     n: int = 8,
     scale: float = 1.0,
     prefill_s: float | None = None,
+    tokens: int = 0,
 ) -> None:
     """``n`` requests on ``wid`` alone, each 0.1 s to its first byte and 1 s in all (times
-    ``scale``; ``prefill_s``: that to its first byte instead)."""
+    ``scale``; ``prefill_s``: that to its first byte instead); ``tokens``: each streams that
+    many more tokens evenly over the rest, one a chunk."""
     admission = handler.admission
     assert admission is not None
     worker = handler.pool.workers[wid]
@@ -65,7 +67,11 @@ def learn(
         prefill = 0.1 * scale if prefill_s is None else prefill_s
         clock.t += prefill
         admission.first_byte(key, worker, clock.t)
-        clock.t += scale - prefill
+        end = clock.t + scale - prefill
+        for _ in range(tokens):
+            clock.t += (scale - prefill) / tokens
+            admission.tokens(key, worker, clock.t, 1)
+        clock.t = end
         admission.ended(key, worker, clock.t, 10)
 
 
@@ -313,6 +319,37 @@ async def test_a_held_request_is_answered_once_the_running_one_outlives_every_re
     # The wait now predicted: the median of an exponential wait of mean its age, 0.69 x 4.5 s.
     assert int(hdrs["retry-after-ms"]) == pytest.approx(4500 * math.log(2), rel=0.02)
     assert not handler.admission.held.get("m")
+
+
+async def test_a_held_request_is_not_sent_to_a_worker_that_slowed_down_since() -> None:
+    """Held for worker a (a 2.5-s target, its one slot free in about 0.5 s, 0.5 s of
+    prefill); while it is held, the running stream's tokens come 80 times as far apart as
+    when a's fit learnt: a's prefill is now predicted at about 11 times the fit, past what is
+    left of the deadline. When the slot frees the request is not sent there (it was held for
+    a, and before this rule it went): it gets the deadline reply."""
+    handler, clock = make(target_ms=2500.0)
+    learn(handler, clock, "a", prefill_s=0.5, tokens=500)  # a token every 1 ms
+    admission = handler.admission
+    assert admission is not None and admission.estimate("a").step_pace() == 1.0
+    first, _ = send(handler, "r1")
+    _, raw = send(handler, "r2")
+    assert isinstance(raw, tuple), raw  # held: a's slot frees in time for it
+    [held] = list(admission.held["m"])
+    assert held.fits("a")
+    task = asyncio.ensure_future(raw[1])
+    first.receive(response_headers(200, extra=SSE))
+    clock.t += 0.5
+    first.receive(chunk(1))  # r1's first token
+    for _ in range(4):
+        clock.t += 0.08
+        first.receive(chunk(1))
+    assert admission.estimate("a").step_pace() > 10
+    first.receive(chunk(1, end=True))
+    first.close()
+    resp = parsed(await asyncio.wait_for(task, 1))
+    assert resp.HasField("immediate_response"), f"sent to {destination(resp)}"
+    status, hdrs, _ = local(resp)
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
 
 
 async def test_a_client_that_goes_away_while_held_releases_everything() -> None:
