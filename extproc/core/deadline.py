@@ -132,18 +132,18 @@ router ahead of it::
   not a median of gaps: a worker paused for part of each 100 ms (a neighbour taking the CPU)
   delays one gap in several, and only the time per token doubles with it; and all the
   chunks between the fit's samples, not the ones just before a sample: those include the
-  step that prefilled it, longer than the rest. When the step is ``STEP_TRIGGER`` times its base or more, the
-  prefill is predicted at ``fit x`` that ratio (or the pace, if larger). Below, it does
-  nothing: an engine's step grows with the sequences it decodes at once (the simulated
-  workers model 20 ms a step and 0.2 ms a sequence; llama.cpp on a CPU grows by much
-  more), and the fit learnt at the batches it has seen. The
-  step keeps its last value while the worker streams nothing (a worker then predicted too
-  slow for every request still gets a request now and then: the extproc sends a rejected
-  request to a free worker whose idle prediction alone misses the target, every 0.25 s). On
-  the plant of tests/core/plant.py streaming chunks of 4 tokens, two workers at 3x, one
-  twice as slow for 20 s, seeds 1 to 8: with prefill a large part of a 0.5-s target, 12
-  requests late in that time and 5 s after against 34 from the pace alone; with a 1-s
-  target, 0 against 9; no change before the slowdown (8 and 3 late).
+  step that prefilled it, longer than the rest. When the step is ``STEP_TRIGGER`` times its
+  base or more, the prefill is predicted at ``fit x`` that ratio (or the pace, if larger).
+  Below, it does nothing: an engine's step grows with the sequences it decodes at once (the
+  simulated workers model 20 ms a step and 0.2 ms a sequence; llama.cpp on a CPU grows by
+  much more), and the fit learnt at the batches it has seen. The step keeps its last value
+  while the worker streams nothing (a worker then predicted too slow for every request
+  still gets a request now and then: the extproc sends a rejected request to a free worker
+  whose idle prediction alone misses the target, every 0.25 s). On the plant of
+  tests/core/plant.py streaming chunks of 4 tokens, two workers at 3x, one twice as slow
+  for 20 s, seeds 1 to 8: with prefill a large part of a 0.5-s target, 14 requests late in
+  that time and 5 s after against 34 from the pace alone; with a 1-s target, 0 against 9;
+  no change before the slowdown (8 and 3 late).
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
