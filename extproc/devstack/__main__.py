@@ -210,16 +210,30 @@ def _worker_exited(slot: WorkerSlot, dead: Proc, slots: list[WorkerSlot], logs: 
     )
 
 
+# While a worker is down its port is free, and another program on the machine may take it
+# (other demos and tests pick their ports from the same range): a restart that cannot bind
+# its port starts the worker on another free one, at most this many times. The worker
+# announces its new endpoint and the extproc routes to it.
+PORT_TRIES = 3
+
+
 def _restart(slots: list[WorkerSlot], logs: Path) -> None:
     if all(slot.running for slot in slots):
         _say("SIGUSR1: every worker is running, none to start again")
     for slot in slots:
         if slot.running:
             continue
-        try:
-            slot.start(logs)
-        except AssertionError as exc:  # it exited again or did not serve in time
-            _say(f"{slot.worker_id} did not start again: {exc}\n  Logs: {logs}")
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                slot.start(logs)
+            except AssertionError as exc:  # it exited again or did not serve in time
+                if "address already in use" in str(exc) and attempt < PORT_TRIES:
+                    taken, slot.port = slot.port, free_port()
+                    _say(f"{slot.worker_id}: port {taken} is taken now; trying :{slot.port}")
+                    continue
+                _say(f"{slot.worker_id} did not start again: {exc}\n  Logs: {logs}")
+            break
+        if not slot.running:
             continue
         pids = ", ".join(str(p.pid) for p in slot.procs)
         _say(f"{slot.worker_id} started again on :{slot.port} (pid {pids})")

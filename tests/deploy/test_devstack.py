@@ -235,6 +235,40 @@ def _hold_stream(url: str) -> tuple[HTTPConnection, dict[str, str]]:
     return conn, {k.lower(): v for k, v in resp.getheaders()}
 
 
+def test_a_worker_whose_port_was_taken_while_it_was_down_comes_back_on_another(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of sim-1, then another program takes its port (as another demo or test may
+    while it is down): the restart says so, starts sim-1 on another free port, and the
+    extproc routes to it there."""
+    demo = Demo(tmp_path, "--worker-ttl", "5")
+    try:
+        wait_until(lambda: {"sim-1", "sim-2"} <= set(demo.workers()), 30, "both workers known")
+        before = demo.children()
+        port = int(demo.worker_urls["sim-1"].rsplit(":", 1)[1])
+        os.kill(before["sim-1"], signal.SIGKILL)
+        demo.wait_line(r"sim-1 exited \(killed by SIGKILL\)", 10)
+        wait_until(lambda: "sim-1" not in demo.children(), 10, "sim-1 reaped")
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            os.kill(demo.proc.pid, signal.SIGUSR1)
+            moved = demo.wait_line(rf"sim-1: port {port} is taken now; trying :(\d+)", 30)
+            back = demo.wait_line(r"sim-1 started again on :(\d+) \(pid (\d+)\)", 30)
+            assert back[1] == moved[1] != str(port), (moved[0], back[0])
+            assert demo.children()["sim-1"] == int(back[2])
+            endpoint = f"127.0.0.1:{back[1]}"
+            wait_until(
+                lambda: demo.workers().get("sim-1", {}).get("endpoint") == endpoint,
+                20,
+                "sim-1 known at its new port",
+            )
+        assert demo.proc.poll() is None
+    finally:
+        demo.stop()
+
+
 def test_demo_keeps_serving_when_a_worker_dies_and_takes_it_back(tmp_path: Path) -> None:
     """kill -9 of sim-1: the stack says so and keeps running; requests go to sim-2, a 529
     (not Envoy's 503) when sim-2 is busy too, sim-1 leaves /debug/workers after its TTL,
