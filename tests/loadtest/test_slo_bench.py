@@ -20,6 +20,7 @@ import math
 import random
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -313,9 +314,13 @@ def test_every_attempt_is_written_with_its_answer_for_a_look_request_by_request(
         assert all(r["ttft_ms"] > 0 and r["worker"] for r in served), name
         # A served attempt is its request's last: the access log's figures, where it has
         # the request's line, are on it, and the worker's first byte came before the
-        # client's first token (the same request).
+        # client's first token (the same request). Only for a request of one attempt: the
+        # log names the request, not the attempt, and an attempt a client gave up on may be
+        # logged after its retry (seen with thresholds off, where attempts time out).
         logged = [r for r in served if r.get("worker_ms") is not None]
-        assert all(r["worker_ms"] <= r["ttft_ms"] + 20 for r in logged), name
+        tries = Counter(r["request"] for r in mine)
+        alone = [r for r in logged if tries[r["request"]] == 1]
+        assert all(r["worker_ms"] <= r["ttft_ms"] + 20 for r in alone), name
         if name != "target alone":  # its target is unreachable: it serves next to nothing
             assert served and logged, name
     alone = [r for r in rows if r["mode"] == "target alone" and r["status"] == 529]
