@@ -703,6 +703,18 @@ HEAVY = replace(P, prefill_s_per_token=0.0002, prompt_tokens=(200, 1000))
 P4 = replace(P, chunk_tokens=4)
 
 
+def late_while_slow(params: Params, target: float, seed: int) -> int:
+    """Two plant workers at 3x their capacity, the first twice as slow from 100 s to 120 s:
+    the requests admitted from 100 s to 125 s whose first token came after ``target``."""
+    sim = Sim(params, Admitting(target=target), seed, 2)
+    sim.slow_down(100.0, "w0", 2.0)
+    sim.slow_down(120.0, "w0", 1.0)
+    reqs = sim.run(lambda t: 3.0 * sim.capacity(), 130.0)
+    window = [r for r in reqs if 100.0 <= r.arrived < 125.0 and r.outcome == "dispatched"]
+    assert len(window) > 150
+    return sum(1 for r in window if r.ttft is not None and r.ttft > target)
+
+
 def test_a_worker_slowing_down_for_20_s_costs_few_late_requests() -> None:
     """Two plant workers whose prefill is a large part of the 0.5-s target, at 3x their
     capacity; from 100 s to 120 s one takes twice as long. Requests admitted from 100 s to
@@ -711,20 +723,10 @@ def test_a_worker_slowing_down_for_20_s_costs_few_late_requests() -> None:
     change over about 100 requests; seeds 1 to 32: 150 against 249. Before the slowdown
     (40-100 s), seeds 1 to 8: 8 and 10 of about 4,300. The test runs seeds 1 to 3."""
 
-    def late(seed: int) -> int:
-        router = Admitting(target=0.5)
-        sim = Sim(HEAVY, router, seed, 2)
-        sim.slow_down(100.0, "w0", 2.0)
-        sim.slow_down(120.0, "w0", 1.0)
-        reqs = sim.run(lambda t: 3.0 * sim.capacity(), 130.0)
-        window = [r for r in reqs if 100.0 <= r.arrived < 125.0 and r.outcome == "dispatched"]
-        assert len(window) > 150
-        return sum(1 for r in window if r.ttft is not None and r.ttft > 0.5)
-
     seeds = range(1, 4)
-    paced = sum(late(seed) for seed in seeds)
+    paced = sum(late_while_slow(HEAVY, 0.5, seed) for seed in seeds)
     with pace_off():
-        fit_alone = sum(late(seed) for seed in seeds)
+        fit_alone = sum(late_while_slow(HEAVY, 0.5, seed) for seed in seeds)
     assert paced <= 0.7 * fit_alone and fit_alone - paced >= 10, (paced, fit_alone)
 
 
@@ -793,19 +795,10 @@ def test_a_worker_slowing_down_is_seen_in_its_streams_before_its_first_bytes() -
     pace alone (with prefill a large part of a 0.5-s target, 14 against 34). The test runs
     seeds 1 to 3."""
 
-    def late(seed: int) -> int:
-        sim = Sim(P4, Admitting(target=1.0), seed, 2)
-        sim.slow_down(100.0, "w0", 2.0)
-        sim.slow_down(120.0, "w0", 1.0)
-        reqs = sim.run(lambda t: 3.0 * sim.capacity(), 130.0)
-        window = [r for r in reqs if 100.0 <= r.arrived < 125.0 and r.outcome == "dispatched"]
-        assert len(window) > 150
-        return sum(1 for r in window if r.ttft is not None and r.ttft > 1.0)
-
     seeds = range(1, 4)
-    stepped = sum(late(seed) for seed in seeds)
+    stepped = sum(late_while_slow(P4, 1.0, seed) for seed in seeds)
     with step_off():
-        paced = sum(late(seed) for seed in seeds)
+        paced = sum(late_while_slow(P4, 1.0, seed) for seed in seeds)
     assert stepped <= 1 and paced >= 3, (stepped, paced)
 
 
