@@ -87,7 +87,7 @@ from loadtest.shedbench.slo_report import (
 from loadtest.shedbench.stack import THRESHOLDS, Stack
 from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.ttft_sources import (
-    AccessLine,
+    AccessLines,
     access_log_tweak,
     compare,
     parse_access_log,
@@ -97,6 +97,8 @@ from loadtest.shedbench.windows import Mode, ModeResult, recovery_text, slo_good
 from loadtest.shedbench.workers import Workers, wait_idle, workers_for
 
 TARGET_FIELD = "ttft_p99_target_ms"
+# Seconds to wait for a mode's lines in Envoy's access log: its file is written every 10 s.
+ACCESS_LOG_WAIT = 12.0
 VLLM = "vllm"
 ENGINES = (SIM, LLAMACPP, VLLM)
 # The default target, in multiples of the unloaded TTFT p50 (steadier than its p99 on a
@@ -155,10 +157,11 @@ def set_mode(stack: Stack, mode: Mode) -> None:
         raise BenchmarkError(f"POST /busy_threshold {body} -> {status}: {reply.decode()[:300]}")
 
 
-def read_access_log(path: Path, tag: str, expected: int) -> dict[int, AccessLine]:
-    """The access log's lines of ``tag``, once ``expected`` are there (Envoy flushes every
-    second) or after 3 s with what there is."""
-    found: dict[int, AccessLine] = {}
+def read_access_log(path: Path, tag: str, expected: int) -> AccessLines:
+    """The access log's lines of ``tag``, once ``expected`` attempts are there or after
+    ``ACCESS_LOG_WAIT`` seconds with what there is (Envoy writes its file every 10 s, its
+    ``--file-flush-interval-msec``, or sooner when its buffer fills)."""
+    found: AccessLines = {}
 
     def complete() -> bool:
         nonlocal found
@@ -166,9 +169,9 @@ def read_access_log(path: Path, tag: str, expected: int) -> dict[int, AccessLine
         return len(found) >= expected
 
     try:
-        wait_until(complete, 3, "the access log")
+        wait_until(complete, ACCESS_LOG_WAIT, "the access log")
     except AssertionError:
-        log(f"access log: {len(found)} of {expected} requests of this mode")
+        log(f"access log: {len(found)} of {expected} attempts of this mode")
     return found
 
 
@@ -184,20 +187,16 @@ def name_workers(run: PhasedRun, stack: Stack) -> None:
             attempt.worker = ids.get(attempt.worker, attempt.worker)
 
 
-def write_attempts(
-    path: Path, mode: str, run: PhasedRun, lines: dict[int, AccessLine], append: bool
-) -> None:
+def write_attempts(path: Path, mode: str, run: PhasedRun, lines: AccessLines, append: bool) -> None:
     """Every attempt of one mode's run, one JSON object per line: ``mode``, ``request`` (its
     user request's number, ``x-bench-id``), ``attempt`` (0, 1, 2), ``arrival_s`` (from the
     run's start), ``status`` (0: no response), ``ttft_ms`` (from the attempt's start; None:
     no first token), ``retry_after_ms`` and ``shed_reason`` (of a refusal), ``worker``; and
-    from Envoy's access log for the request's last attempt, on that attempt's line:
+    from Envoy's access log, on each attempt's own line (by ``x-stainless-retry-count``):
     ``predicted_ms`` (``x-ttft-predicted-ms``) and ``worker_ms`` (to the first upstream body
     byte)."""
     with path.open("a" if append else "w", encoding="utf-8") as f:
         for number, req in enumerate(run.requests):
-            line = lines.get(number)
-            last = len(req.attempts) - 1
             for k, a in enumerate(req.attempts):
                 row: dict[str, Any] = {
                     "mode": mode,
@@ -210,7 +209,8 @@ def write_attempts(
                     "shed_reason": a.shed_reason,
                     "worker": a.worker,
                 }
-                if k == last and line is not None:
+                line = lines.get((number, k))
+                if line is not None:
                     row["predicted_ms"] = line.predicted_ms
                     row["worker_ms"] = line.body_ms
                 f.write(json.dumps(row) + "\n")
@@ -381,7 +381,7 @@ async def run_main(cfg: Config, stack: Stack, opts: Options, log_path: Path) -> 
         results: list[ModeResult] = []
         by_mode: dict[str, list[dict[str, Any]]] = {}
         splits: dict[str, list[dict[str, Any]]] = {}
-        measured: list[tuple[PhasedRun, dict[int, AccessLine]]] = []
+        measured: list[tuple[PhasedRun, AccessLines]] = []
         # "off" runs last: the queue it leaves behind needs no draining.
         for i, mode in enumerate(modes):
             set_mode(stack, mode)
@@ -390,7 +390,7 @@ async def run_main(cfg: Config, stack: Stack, opts: Options, log_path: Path) -> 
             name_workers(phased, stack)
             if mode is not off:
                 await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
-            answered = sum(1 for r in phased.requests if any(a.status for a in r.attempts))
+            answered = sum(1 for r in phased.requests for a in r.attempts if a.status)
             lines = read_access_log(log_path, tag, answered)
             if opts.requests_out is not None:
                 write_attempts(opts.requests_out, mode.name, phased, lines, append=i > 0)

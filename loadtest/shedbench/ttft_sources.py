@@ -46,8 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.core.deadline import EWMA_SAMPLES
+from loadtest.shedbench.classes import Request
 from loadtest.shedbench.client import SERVED_BY, Outcome
 from loadtest.shedbench.phases import BENCH_ID_HEADER, PhasedRun
+from loadtest.shedbench.retry import RETRY_COUNT_HEADER
 from loadtest.shedbench.stats import percentile
 from loadtest.shedbench.workers import Buckets
 
@@ -62,7 +64,8 @@ ENGINE_SETTLE = math.ceil(math.log(ENGINE_CARRY_OVER) / math.log(1 - 1 / ENGINE_
 PREDICTED_HEADER = "x-ttft-predicted-ms"
 
 ACCESS_LOG_FORMAT = (
-    f"%REQ({BENCH_ID_HEADER.upper()})% %RESPONSE_CODE% %RESPONSE_DURATION% "
+    f"%REQ({BENCH_ID_HEADER.upper()})% %REQ({RETRY_COUNT_HEADER.upper()})% "
+    "%RESPONSE_CODE% %RESPONSE_DURATION% "
     "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
     f"%REQ({PREDICTED_HEADER.upper()})%\n"
 )
@@ -104,25 +107,39 @@ class AccessLine:
     predicted_ms: float | None = None  # x-ttft-predicted-ms; None: not set (no target)
 
 
-def parse_access_log(text: str, tag: str) -> dict[int, AccessLine]:
-    """Lines of requests tagged ``tag``, by request number; a 529 or 200 each."""
-    out: dict[int, AccessLine] = {}
+# The access log's lines by (request number, attempt).
+AccessLines = dict[tuple[int, int], AccessLine]
+
+
+def parse_access_log(text: str, tag: str) -> AccessLines:
+    """Lines of requests tagged ``tag``, by (request number, attempt): each attempt of a
+    request is a request of its own to Envoy, numbered by ``x-stainless-retry-count`` (a
+    line without it counts as the first attempt). An attempt a client gave up on may be
+    logged after its retry, so only its own number says which attempt a line is."""
+    out: AccessLines = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) not in (5, 6) or not parts[0].startswith(tag):
+        if len(parts) not in (6, 7) or not parts[0].startswith(tag):
             continue
         try:
             number = int(parts[0][len(tag) :])
-            status = int(parts[1])
+            attempt = 0 if parts[1] == "-" else int(parts[1])
+            status = int(parts[2])
         except ValueError:
             continue
-        predicted = _ms(parts[5], 1.0) if len(parts) == 6 else None
+        predicted = _ms(parts[6], 1.0) if len(parts) == 7 else None
         out_line = AccessLine(
-            status, _ms(parts[2], 1.0), _ms(parts[3], 1e-3), _ms(parts[4], 1e-3), predicted
+            status, _ms(parts[3], 1.0), _ms(parts[4], 1e-3), _ms(parts[5], 1e-3), predicted
         )
-        if status == 200 or number not in out:
-            out[number] = out_line
+        key = (number, attempt)
+        if status == 200 or key not in out:
+            out[key] = out_line
     return out
+
+
+def last_line(lines: AccessLines, number: int, req: Request) -> AccessLine | None:
+    """The access log's line of request ``number``'s last attempt (None: not logged)."""
+    return lines.get((number, len(req.attempts) - 1)) if req.attempts else None
 
 
 def _ms(text: str, scale: float) -> float | None:
@@ -187,12 +204,12 @@ def _first_token(a: Outcome) -> float:
     return a.arrival + (a.ttft or 0.0)
 
 
-def prediction_errors(run: PhasedRun, lines: dict[int, AccessLine]) -> list[float]:
+def prediction_errors(run: PhasedRun, lines: AccessLines) -> list[float]:
     """Per request dispatched by deadline admission and served: its predicted TTFT (the
     access log's ``x-ttft-predicted-ms``) minus the client's TTFT of that attempt."""
     errors: list[float] = []
     for number, req in enumerate(run.requests):
-        line = lines.get(number)
+        line = last_line(lines, number, req)
         if line is None or line.status != 200 or line.predicted_ms is None:
             continue
         if not req.admitted or req.last.ttft is None:
@@ -257,12 +274,12 @@ def engine_errors(run: PhasedRun, q: float) -> list[float]:
     return errors
 
 
-def envoy_errors(run: PhasedRun, lines: dict[int, AccessLine], body: bool) -> list[float]:
+def envoy_errors(run: PhasedRun, lines: AccessLines, body: bool) -> list[float]:
     """Per admitted request: Envoy's time (to the first body byte, or to the headers) minus
     the client's TTFT."""
     errors: list[float] = []
     for number, req in enumerate(run.requests):
-        line = lines.get(number)
+        line = last_line(lines, number, req)
         if line is None or line.status != 200 or not req.admitted or req.last.ttft is None:
             continue
         value = line.body_ms if body else line.headers_ms
@@ -272,7 +289,7 @@ def envoy_errors(run: PhasedRun, lines: dict[int, AccessLine], body: bool) -> li
 
 
 def compare(
-    runs: Sequence[tuple[PhasedRun, dict[int, AccessLine]]],
+    runs: Sequence[tuple[PhasedRun, AccessLines]],
 ) -> list[SourceError]:
     """The table over every run given: one row per source and statistic."""
     rows = [
@@ -313,11 +330,11 @@ class Split:
     client_ttft_ms: float
 
 
-def split(run: PhasedRun, lines: dict[int, AccessLine], target_ms: float) -> list[Split]:
+def split(run: PhasedRun, lines: AccessLines, target_ms: float) -> list[Split]:
     """:class:`Split` of every admitted request, and of those over ``target_ms``."""
     parts: list[tuple[float, float, float, float]] = []
     for number, req in enumerate(run.requests):
-        line = lines.get(number)
+        line = last_line(lines, number, req)
         if line is None or line.status != 200 or not req.admitted or req.last.ttft is None:
             continue
         if line.upstream_ms is None or line.body_ms is None:

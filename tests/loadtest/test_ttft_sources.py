@@ -15,33 +15,44 @@ from loadtest.shedbench.ttft_sources import (
     AccessLine,
     compare,
     engine_event_errors,
+    last_line,
     parse_access_log,
     prediction_errors,
     running_mean,
 )
 
 
-def test_the_access_log_records_the_predicted_ttft_header() -> None:
-    assert ACCESS_LOG_FORMAT.rstrip("\n").endswith("%REQ(X-TTFT-PREDICTED-MS)%")
+def test_the_access_log_records_the_attempt_and_the_predicted_ttft_header() -> None:
+    fields = ACCESS_LOG_FORMAT.split()
+    assert fields[:2] == ["%REQ(X-BENCH-ID)%", "%REQ(X-STAINLESS-RETRY-COUNT)%"]
+    assert fields[-1] == "%REQ(X-TTFT-PREDICTED-MS)%"
 
 
-def test_an_access_line_s_predicted_ttft_is_read_and_a_dash_is_none() -> None:
+def test_an_access_line_is_read_by_request_and_attempt_and_a_dash_is_none() -> None:
     text = "\n".join(
         [
-            "t0 200 12 30500 1200 41.5",  # dispatched by deadline admission
-            "t1 200 13 31000 1100 -",  # no target: no header
-            "t2 529 1 - - -",  # refused, then retried and served
-            "t2 200 15 33000 1300 57",
-            "t3 200 16 34000 1400",  # a log without the field (an older format)
-            "u9 200 16 34000 1400 20",  # another run's tag
+            "t0 0 200 12 30500 1200 41.5",  # dispatched by deadline admission
+            "t1 0 200 13 31000 1100 -",  # no target: no header
+            "t2 0 529 1 - - -",  # refused, then retried and served
+            "t2 1 200 15 33000 1300 57",
+            "t3 - 200 16 34000 1400",  # no retry count, a log without the prediction
+            # An attempt given up on (timed out) is logged after its retry, served.
+            "t4 1 200 20 40000 1500 60",
+            "t4 0 200 900 950000 1600 55",
+            "u9 0 200 16 34000 1400 20",  # another run's tag
         ]
     )
     lines = parse_access_log(text, "t")
-    assert lines[0] == AccessLine(200, 12.0, 30.5, 1.2, 41.5)
-    assert lines[1].predicted_ms is None
-    assert lines[2].status == 200 and lines[2].predicted_ms == 57.0
-    assert lines[3].predicted_ms is None and lines[3].body_ms == 34.0
-    assert set(lines) == {0, 1, 2, 3}
+    assert lines[0, 0] == AccessLine(200, 12.0, 30.5, 1.2, 41.5)
+    assert lines[1, 0].predicted_ms is None
+    assert lines[2, 0].status == 529 and lines[2, 1].predicted_ms == 57.0
+    assert lines[3, 0].predicted_ms is None and lines[3, 0].body_ms == 34.0
+    assert lines[4, 1].body_ms == 40.0 and lines[4, 0].body_ms == 950.0
+    assert set(lines) == {(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (4, 0), (4, 1)}
+    # A request's figures are its last attempt's, whatever order the log has them in.
+    req = Request(cls="", arrival=0.0)
+    req.attempts += [Outcome(arrival=0.0, status=0), Outcome(arrival=1.0, status=200)]
+    assert last_line(lines, 4, req) == lines[4, 1]
 
 
 def _served(arrival: float, ttft_s: float, worker: str = "w") -> Request:
@@ -57,10 +68,10 @@ def test_the_prediction_s_error_is_per_request_predicted_minus_the_client_s_ttft
     refused.attempts.append(Outcome(arrival=0.3, status=529))
     run.requests.append(refused)
     lines = {
-        0: AccessLine(200, 1.0, 39.0, 1.0, 45.0),  # 5 ms high
-        1: AccessLine(200, 1.0, 49.0, 1.0, None),  # no prediction: not compared
-        2: AccessLine(200, 1.0, 29.0, 1.0, 20.0),  # 10 ms low
-        3: AccessLine(529, 1.0, None, None, 25.0),  # not served: not compared
+        (0, 0): AccessLine(200, 1.0, 39.0, 1.0, 45.0),  # 5 ms high
+        (1, 0): AccessLine(200, 1.0, 49.0, 1.0, None),  # no prediction: not compared
+        (2, 0): AccessLine(200, 1.0, 29.0, 1.0, 20.0),  # 10 ms low
+        (3, 0): AccessLine(529, 1.0, None, None, 25.0),  # not served: not compared
     }
     assert prediction_errors(run, lines) == pytest.approx([5.0, -10.0])
     row = compare([(run, lines)])[0]
