@@ -144,22 +144,6 @@ router ahead of it::
   for 20 s, seeds 1 to 8: with prefill a large part of a 0.5-s target, 14 requests late in
   that time and 5 s after against 34 from the pace alone; with a 1-s target, 0 against 9;
   no change before the slowdown (8 and 3 late).
-- ``wait pace``: the step pace scales the prefill; the wait for a slot comes from the recent
-  slot times and the service time, measured while the engine stepped at its old speed, and
-  on a worker whose steps take twice as long its running requests hold their slots twice as
-  long. So each stream that ended leaves its time per token (its chunks' time after its
-  first byte over their tokens), averaged like the service time: the step the slot times
-  were measured at. When the step now is ``STEP_TRIGGER`` times that or more, every slot
-  time is taken as that many times longer: the completion rate is divided by it and the
-  survival of the slot times stretched by it (a running request's remaining time as if its
-  whole run went at the new step; it has done more than that, so the wait comes out a
-  little long). A base of its own, not the fit's: the service time follows a change over
-  about ``EWMA_SAMPLES`` requests, the fit over about 100, and against the fit's base a
-  slowdown would count twice once the service time has caught up. On the plant of
-  tests/core/plant.py streaming chunks of 4 tokens, two workers at 3x, one twice as slow
-  for 20 s, seeds 1 to 16: with prefill a large part of a 0.5-s target, 13 requests late in
-  that time and 5 s after against 25 without it (2,861 SLO-good against 2,821); with a 1-s
-  target, 5 against 5 (2,902 against 2,913); before the slowdown, no change.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -345,7 +329,6 @@ class _Flight:
     expected: float  # its prefill as predicted when it was sent
     first_byte: float | None = None
     last_token: float | None = None  # when its stream's last tokens came
-    streamed: int = 0  # tokens of its stream after the first byte's
 
 
 class WorkerEstimate:
@@ -367,9 +350,6 @@ class WorkerEstimate:
         self.since_fit = [0.0, 0]
         self.step_base = Ewma(STEP_BASE_SAMPLES)
         self.service = Ewma()
-        # The time per token of the streams that ended, averaged like ``service``: the step
-        # the service time and the slot times were measured at (the module's rule).
-        self.service_step = Ewma()
         self.slot_times: deque[float] = deque(maxlen=EWMA_SAMPLES)  # the recent ones, raw
         self._survival: Survival | None = None  # of the slot times, built when asked
         self.gateway = Ewma()
@@ -472,7 +452,6 @@ class WorkerEstimate:
             return
         last = f.first_byte if f.last_token is None else f.last_token
         f.last_token = now
-        f.streamed += count
         gap = max(0.0, now - last)
         self.gaps.append((gap, count))
         self._step = None
@@ -520,8 +499,6 @@ class WorkerEstimate:
         self.streaming -= 1
         decode = max(0.0, now - f.first_byte)
         self._slot_time(decode + self.fit.predict(f.prompt_tokens))
-        if f.streamed and f.last_token is not None:
-            self.service_step.add(max(0.0, f.last_token - f.first_byte) / f.streamed)
         if output_tokens:
             self.decode_per_token.add(decode / output_tokens)
 
@@ -543,26 +520,12 @@ class WorkerEstimate:
         """The predicted prefill of ``tokens`` here now: the fit at the worker's pace."""
         return self.fit.predict(tokens) * self.pace()
 
-    def wait_pace(self) -> float:
-        """How many times longer the running requests hold their slots now than the recent
-        slot times say (the module's rule): the engine's step now over the step those
-        requests ran at, from ``STEP_TRIGGER``, else 1."""
-        step = self.step()
-        base = self.service_step.get()
-        if step is None or not base:
-            return 1.0
-        ratio = step / base
-        return ratio if ratio >= STEP_TRIGGER else 1.0
-
     def survival(self) -> Survival | None:
-        """How long the recent requests held a slot, smoothed (``core/slot_wait.py``), at
-        the worker's wait pace; None: no request ended yet."""
+        """How long the recent requests held a slot, smoothed (``core/slot_wait.py``);
+        None: no request ended yet."""
         if self._survival is None and self.slot_times:
             self._survival = Survival(self.slot_times)
-        pace = self.wait_pace()
-        if self._survival is None or pace == 1.0:
-            return self._survival
-        return self._survival.scaled(pace)
+        return self._survival
 
     def running(self, now: float) -> list[tuple[float, Survival]]:
         """Each running request's age with this worker's survival (empty: none ended
@@ -661,7 +624,7 @@ class WorkerEstimate:
         slots = self.slots(now) if self.total_slots is not None else self.slots_guess
         if not service or slots is None:
             return None
-        return slots / (service * self.wait_pace())
+        return slots / service
 
     def ages(self, now: float) -> list[float]:
         """How long each request running on the worker now has held its slot (the
@@ -691,9 +654,7 @@ class WorkerEstimate:
         service = self.service.get()
         if rate is None or not service or not self.slot_times:
             return rate
-        pace = self.wait_pace()
-        service *= pace
-        longest = max(self.slot_times) * pace
+        longest = max(self.slot_times)
         hazard = sum(1.0 / age if age > longest else 1.0 / service for age in self.ages(now))
         return min(rate, hazard) if hazard > 0 else rate
 
@@ -750,7 +711,6 @@ class WorkerEstimate:
             "prefill_pace": round(self.pace(), 3),
             "step_ms": None if (step := self.step()) is None else round(step * 1000, 2),
             "step_pace": round(self.step_pace(), 3),
-            "wait_pace": round(self.wait_pace(), 3),
             "prefill_spread_ms": round(
                 PREFILL_MARGIN * (self.fit.abs_residual.get() or 0.0) * 1000, 1
             ),

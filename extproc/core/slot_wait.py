@@ -65,16 +65,6 @@ class Survival:
         whole = longer(0.0)
         self.table = [longer(self.lo + i * self.step) / whole for i in range(GRID)]
 
-    def scaled(self, factor: float) -> Survival:
-        """The same survival with every slot time ``factor`` times as long: ``S(x / factor)``
-        (a worker whose steps all take ``factor`` times as long)."""
-        if not factor > 0:
-            raise ValueError(f"factor: {factor!r}; expected a number > 0")
-        out = Survival.__new__(Survival)
-        out.lo, out.hi, out.step = self.lo * factor, self.hi * factor, self.step * factor
-        out.table = self.table
-        return out
-
     def __call__(self, x: float) -> float:
         if x <= self.lo:
             return 1.0

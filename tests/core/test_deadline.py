@@ -780,58 +780,6 @@ def test_a_worker_whose_tokens_come_slower_is_predicted_slower_at_once() -> None
     assert fresh.step() is None and fresh.step_pace() == 1.0
 
 
-def two_slow_streams(est: WorkerEstimate, t: float, gap: float, tokens: int) -> float:
-    """Two requests of 1000 tokens on ``est``'s worker, first bytes 0.1 s after dispatch,
-    then ``tokens`` tokens each, ``gap`` apart. Returns the time of the last."""
-    for key in ("a", "b"):
-        est.dispatched(key, 1000, t)
-    t += 0.1
-    for key in ("a", "b"):
-        est.first_byte(key, t)
-    for _ in range(tokens):
-        t += gap
-        for key in ("a", "b"):
-            est.tokens(key, t, 1)
-    return t
-
-
-def test_a_worker_whose_tokens_come_slower_frees_its_slots_slower_at_once() -> None:
-    """A worker of 2 slots whose requests streamed 40 tokens 10 ms apart (slot times about
-    0.5 s); then its two running streams' tokens come 20 ms apart: before either of
-    them ended, every slot time is predicted twice as long (the completion rate halved, the
-    survival of the slot times stretched), so a request held behind others waits twice as
-    long. Once the streams that ended ran at the new step, their slot times say it alone:
-    no wait pace on top of them (a slowdown counted once)."""
-    est = WorkerEstimate("w")
-    est.load(0, 0, 2)
-    t = streamed(est, 0.0, 40, 0.01, tokens=40)
-    assert est.wait_pace() == 1.0 and est.service_step.get() == pytest.approx(0.01)
-    rate, survival = est.rate(t), est.survival()
-    assert rate is not None and survival is not None
-    t = two_slow_streams(est, t, 0.02, STEP_SAMPLES // 2)
-    assert est.wait_pace() == pytest.approx(2.0) and est.view(t)["wait_pace"] == 2.0
-    assert est.rate(t) == pytest.approx(rate / 2)
-    stretched = est.survival()
-    assert stretched is not None and stretched(0.5) == pytest.approx(survival(0.25))
-    slowed = predict_ttft(est, 1000, 5, t).wait
-    with step_off():
-        unpaced = predict_ttft(est, 1000, 5, t).wait
-    assert slowed is not None and unpaced is not None and slowed >= 1.9 * unpaced
-    # The same worker at 13 ms a token (a fuller batch's swing): no wait pace.
-    calm = WorkerEstimate("w")
-    calm.load(0, 0, 2)
-    t2 = two_slow_streams(calm, streamed(calm, 0.0, 40, 0.01, 40), 0.013, STEP_SAMPLES // 2)
-    assert calm.wait_pace() == 1.0 and calm.rate(t2) == pytest.approx(rate)
-    # 40 more requests at the new step: the service time has it; the pace is 1 again.
-    for key in ("a", "b"):
-        est.ended(key, t, output_tokens=STEP_SAMPLES // 2 + 1)
-    t = streamed(est, t, 40, 0.02, tokens=40)
-    assert est.step() == pytest.approx(0.02) and est.wait_pace() == 1.0
-    caught_up = est.rate(t)
-    assert caught_up is not None and caught_up < 0.75 * rate
-    assert caught_up == pytest.approx(2 / est.service.value)
-
-
 @contextlib.contextmanager
 def step_off() -> Iterator[None]:
     """The prefill's pace without the engine's step, for the control."""

@@ -118,24 +118,6 @@ def test_survival_falls_from_1_to_0(samples: list[float], x: float) -> None:
 
 
 @given(
-    st.lists(st.floats(0.01, 30.0), min_size=1, max_size=32),
-    st.floats(0.0, 40.0),
-    st.floats(0.5, 4.0),
-)
-def test_a_survival_scaled_is_the_same_at_times_that_many_times_as_long(
-    samples: list[float], x: float, factor: float
-) -> None:
-    s = Survival(samples)
-    longer = s.scaled(factor)
-    assert longer(x * factor) == pytest.approx(s(x), abs=1e-9)
-    assert (longer.lo, longer.hi) == pytest.approx((s.lo * factor, s.hi * factor))
-    # The survival of the slot times themselves made that many times as long.
-    assert longer(x) == pytest.approx(Survival([v * factor for v in samples])(x), abs=1e-6)
-    with pytest.raises(ValueError, match="factor: 0"):
-        s.scaled(0)
-
-
-@given(
     st.lists(st.floats(0.05, 10.0), min_size=1, max_size=32),
     st.lists(st.floats(0.0, 12.0), min_size=1, max_size=20),
 )
