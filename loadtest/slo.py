@@ -189,7 +189,8 @@ def name_workers(run: PhasedRun, stack: Stack) -> None:
 
 def write_attempts(path: Path, mode: str, run: PhasedRun, lines: AccessLines, append: bool) -> None:
     """Every attempt of one mode's run, one JSON object per line: ``mode``, ``request`` (its
-    user request's number, ``x-bench-id``), ``attempt`` (0, 1, 2), ``arrival_s`` (from the
+    user request's number, ``x-bench-id``), ``class`` (its request class; empty: the
+    default), ``attempt`` (0, 1, 2), ``arrival_s`` (from the
     run's start), ``status`` (0: no response), ``ttft_ms`` (from the attempt's start; None:
     no first token), ``retry_after_ms`` and ``shed_reason`` (of a refusal), ``worker``; and
     from Envoy's access log, on each attempt's own line (by ``x-stainless-retry-count``):
@@ -201,6 +202,7 @@ def write_attempts(path: Path, mode: str, run: PhasedRun, lines: AccessLines, ap
                 row: dict[str, Any] = {
                     "mode": mode,
                     "request": number,
+                    "class": req.cls,
                     "attempt": k,
                     "arrival_s": round(a.arrival, 4),
                     "status": a.status,
@@ -256,7 +258,7 @@ class Options:
     capacity_probes: int
     classes: bool
     classes_seconds: float
-    requests_out: Path | None = None  # every attempt of the modes' runs, as JSON lines
+    requests_out: Path | None = None  # every attempt of the modes' and classes runs, JSON lines
 
 
 @dataclass
@@ -439,9 +441,17 @@ def class_stats(reqs: list[Request], cls: str, seconds: float, target_ms: float)
 
 
 async def run_classes(
-    cfg: Config, stack: Stack, opts: Options, capacity: float, target_ms: float, yaml: str
+    cfg: Config,
+    stack: Stack,
+    opts: Options,
+    capacity: float,
+    target_ms: float,
+    yaml: str,
+    log_path: Path,
 ) -> ClassesRun:
-    """The same 1x arrivals flat (no class header: the default class) and with classes."""
+    """The same 1x arrivals flat (no class header: the default class) and with classes;
+    with ``--requests-out``, every attempt of both runs too (modes ``classes: flat`` and
+    ``classes: mixed``)."""
     plan = PhasePlan(phases=(Phase(1.0, opts.classes_seconds),), slow_phase=0, slow_at=0.0,
                      slow_for=0.0)  # fmt: skip
     cells: dict[str, list[ClassStats]] = {}
@@ -451,7 +461,14 @@ async def run_classes(
             phased = await run_phases(
                 session, stack, cfg, plan, capacity, opts.retry, f"c{i}-", mix=mix
             )
+            name_workers(phased, stack)
             await wait_idle(session, stack.engines, max(60.0, stack.engines.drain_timeout))
+            if opts.requests_out is not None:
+                tag = f"c{i}-"
+                answered = sum(1 for r in phased.requests for a in r.attempts if a.status)
+                lines = read_access_log(log_path, tag, answered)
+                mode = "classes: mixed" if mix else "classes: flat"
+                write_attempts(opts.requests_out, mode, phased, lines, append=True)
             names = ["all"] + ([n for n, _ in CLASS_MIX] if mix else [])
             cells[label] = [
                 class_stats(phased.requests, n, opts.classes_seconds, target_ms) for n in names
@@ -646,8 +663,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Options, Path]:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the results and plots")
     p.add_argument("--requests-out", metavar="FILE",
-                   help="also write every attempt of the modes' runs to FILE, a JSON object "
-                   "per line (its mode, request, attempt, arrival, status, TTFT, refusal, "
+                   help="also write every attempt of the modes' and the classes runs to "
+                   "FILE, a JSON object per line (its mode, request, class, attempt, arrival, "
+                   "status, TTFT, refusal, "
                    "worker, and the access log's prediction and worker time), to look into "
                    "a missed goal request by request")  # fmt: skip
     a = p.parse_args(argv)
@@ -768,11 +786,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 yaml = classes_yaml(got.target_ms)
                 path = Path(tmp) / "classes.yaml"
                 path.write_text(yaml)
-                stack = Stack(cfg, Path(tmp), ["--classes-file", str(path)], workers_factory(cfg))
+                log_path = Path(tmp) / "access.log"
+                stack = Stack(
+                    cfg, Path(tmp), ["--classes-file", str(path)], workers_factory(cfg),
+                    envoy_tweak=access_log_tweak(str(log_path)),
+                )  # fmt: skip
                 try:
                     log(f"classes stack up: {stack.describe()}")
                     classes = asyncio.run(
-                        run_classes(cfg, stack, opts, got.capacity, got.target_ms, yaml)
+                        run_classes(cfg, stack, opts, got.capacity, got.target_ms, yaml, log_path)
                     )
                 finally:
                     stack.close()

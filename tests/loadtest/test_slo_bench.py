@@ -324,6 +324,14 @@ def test_every_attempt_is_written_with_its_answer_for_a_look_request_by_request(
         assert all("worker_ms" in r for r in answered), name
         if name == "shipped":  # refused at 10x and retried (the target alone's say not to)
             assert any(r["attempt"] > 0 for r in answered), name
+    # The classes runs' attempts too, each with its request's class (flat: the default).
+    for label, cell in (("classes: flat", "flat"), ("classes: mixed", "classed")):
+        mine = [r for r in rows if r["mode"] == label]
+        assert len({r["request"] for r in mine}) == res["classes"][cell][0]["requests"], label
+        assert all("worker_ms" in r for r in mine if r["status"]), label
+    assert {r["class"] for r in rows if r["mode"] == "classes: flat"} == {""}
+    mixed = {r["class"] for r in rows if r["mode"] == "classes: mixed"}
+    assert mixed and mixed <= {"critical", "standard", "sheddable"}
     alone = [r for r in rows if r["mode"] == "target alone" and r["status"] == 529]
     assert alone and {r["shed_reason"] for r in alone} == {"deadline"}
     shipped = [r for r in rows if r["mode"] == "shipped" and r["status"] == 529]
