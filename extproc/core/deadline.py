@@ -118,8 +118,8 @@ router ahead of it::
   costs the target; and 3 errors in a row on the low side are common in steady state (a
   prefill's time is skewed: mostly a little under the fit, now and then far over), where
   scaling down by them let more requests in late. On two plant workers whose prefill is a
-  large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 150 requests late in that
-  time and 5 s after against 249 from the fit alone (seeds 1 to 32).
+  large part of a 0.5-s target, at 3x, one twice as slow for 20 s: 113 requests late in that
+  time and 5 s after against 229 from the fit alone (seeds 1 to 32).
 - ``step pace``: the pace reads the first bytes of requests sent after a worker slowed, so
   the requests sent before three of them are back are predicted at the old speed. The
   worker's running streams show it sooner: the time between a stream's tokens is the
@@ -166,7 +166,22 @@ its target): the wait for ``n`` completions at the rate is about Gamma(n, rate),
 percentile is near ``(n + WAIT_Z x sqrt(n)) / rate`` (from the ages: its own 90th
 percentile), and the prefill fit is off by up to ``PREFILL_MARGIN`` mean absolute residuals.
 Among the workers that can start the request now, the one with the smallest predicted TTFT
-that fits gets it (a slot never sits idle while a request that fits waits); otherwise, if the
+that fits gets it (a slot never sits idle while a request that fits waits), with one
+exception: predictions within the smallest one's spread of it are the same to the predictor,
+and of those the worker holding the fewest requests (its ``occupancy``) gets it. Otherwise a
+worker whose prediction stays a few milliseconds below the others' (a fit that learnt a little
+faster, a neighbour that was slowed earlier) takes every request until it is full, and a
+worker packed that way is where the prediction is weakest: its slots are a KV cache's
+estimate from the average running request, which young requests make too large, and every
+request sent since the last load report counts one block. On the simulated workers at the
+capacity at target, 18 of the first 22 requests went to one worker, and a request sent to
+its last "free" slot waited 290 ms at the engine against a 51-ms prediction, in every run.
+On the plant of tests/core/plant.py (whose workers do not slow with load), two workers at 3x,
+one twice as slow for 20 s, prefill a large part of a 0.5-s target, seeds 1 to 32: 113
+requests late in that time and 5 s after against 150 with the smallest prediction always;
+at 3x and at 0.9x with nothing slowed, no change (0-9 late of 10,000-13,000 admitted either
+way, seeds 1 to 16). The plant figures quoted before this rule was made were measured
+without it. Otherwise, if the
 smallest prediction of all fits, the request is held in the router until a slot frees on one
 of the workers it fits on even if the slot comes at the wait's upper bound (earliest deadline
 first, ``core/held.py``), its deadline the latest dispatch that leaves room for its prefill
@@ -755,6 +770,7 @@ class Prediction:
     wait_low: float = 0.0  # the wait's mean less its 10th percentile
     gateway_only: bool = False
     missing: tuple[str, ...] = ()
+    occupancy: int = 0  # requests the worker holds now (its in flight and the engine's others)
 
     @property
     def spread(self) -> float:
@@ -809,6 +825,7 @@ def predict_ttft(
         wait_low,
         est.gateway_only,
         est.missing,
+        occupancy,
     )
 
 
@@ -993,6 +1010,7 @@ def decide(
         raise ValueError("predictions: empty; expected at least one candidate worker")
     if not target_s > 0:
         raise ValueError(f"target_s: {target_s!r}; expected a number > 0")
+    spreads = {p.worker: p.spread for p in predictions}
     if lenient:
         predictions = [replace(p, wait_spread=0.0, prefill_spread=0.0) for p in predictions]
     start = now if arrived is None else arrived
@@ -1000,7 +1018,11 @@ def decide(
     fits = [p for p in predictions if p.ttft is not None and p.ttft + p.spread <= left]
     now_fits = [p for p in fits if p.can_start and p.wait == 0]
     if now_fits:
+        # Predictions within the smallest one's spread of it are the same to the predictor:
+        # of those, the worker holding the fewest requests gets it (the module's rule).
         best = min(now_fits, key=_ttft)
+        near = _ttft(best) + spreads.get(best.worker, 0.0)
+        best = min((p for p in now_fits if _ttft(p) <= near), key=lambda p: (p.occupancy, _ttft(p)))
         return Dispatch(best.worker, best)
     if fits:
         # Held for the workers on which it still fits if the slot comes late (at the wait's
