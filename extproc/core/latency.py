@@ -11,7 +11,8 @@ router and the engine already see: the router's dispatch, first body byte and st
 of every request, and the engine's queue fields in its load reports (requests waiting,
 running, slots). Among the candidates (the workers the configured thresholds leave free:
 thresholds are ceilings), the one with the smallest predicted TTFT gets it now if that
-fits; when no worker can start it now but the wait fits it is held in the router (a
+fits (of the predictions within its spread of it, the least loaded worker's); when no
+worker can start it now but the wait fits it is held in the router (a
 :class:`~extproc.core.held.HeldQueue` per model, earliest deadline first) until a slot
 frees; else it is rejected at once with a Retry-After from the predicted wait
 (:func:`~extproc.core.deadline.decide`).
