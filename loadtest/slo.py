@@ -192,7 +192,9 @@ def write_attempts(path: Path, mode: str, run: PhasedRun, lines: AccessLines, ap
     user request's number, ``x-bench-id``), ``class`` (its request class; empty: the
     default), ``attempt`` (0, 1, 2), ``arrival_s`` (from the
     run's start), ``status`` (0: no response), ``ttft_ms`` (from the attempt's start; None:
-    no first token), ``retry_after_ms`` and ``shed_reason`` (of a refusal), ``worker``; and
+    no first token), ``cut_off`` (an admitted stream still open when the mode's run ended and
+    cancelled then: a ``ttft_ms`` without a first token is the time it had waited so far),
+    ``retry_after_ms`` and ``shed_reason`` (of a refusal), ``worker``; and
     from Envoy's access log, on each attempt's own line (by ``x-stainless-retry-count``):
     ``predicted_ms`` (``x-ttft-predicted-ms``) and ``worker_ms`` (to the first upstream body
     byte)."""
@@ -207,6 +209,7 @@ def write_attempts(path: Path, mode: str, run: PhasedRun, lines: AccessLines, ap
                     "arrival_s": round(a.arrival, 4),
                     "status": a.status,
                     "ttft_ms": None if a.ttft is None else round(a.ttft * 1e3, 1),
+                    "cut_off": a.status == 200 and not a.finished,
                     "retry_after_ms": a.retry_after_ms,
                     "shed_reason": a.shed_reason,
                     "worker": a.worker,

@@ -315,7 +315,9 @@ def test_every_attempt_is_written_with_its_answer_for_a_look_request_by_request(
         # attempts), and the worker's first byte came before the client's first token of
         # that attempt, also for an attempt retried after another one a client gave up on
         # (with thresholds off attempts time out, and Envoy may log one after its retry).
-        logged = [r for r in served if r.get("worker_ms") is not None]
+        # A stream cut off at the run's end counts the time it had waited as its TTFT, and
+        # its first byte may come after that (Envoy logs it all the same): not compared.
+        logged = [r for r in served if r.get("worker_ms") is not None and not r["cut_off"]]
         assert all(r["worker_ms"] <= r["ttft_ms"] + 20 for r in logged), name
         if name != "target alone":  # its target is unreachable: it serves next to nothing
             assert served and logged, name
