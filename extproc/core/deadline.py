@@ -180,8 +180,8 @@ On the plant of tests/core/plant.py (whose workers do not slow with load), two w
 one twice as slow for 20 s, prefill a large part of a 0.5-s target, seeds 1 to 32: 113
 requests late in that time and 5 s after against 150 with the smallest prediction always;
 at 3x and at 0.9x with nothing slowed, no change (0-9 late of 10,000-13,000 admitted either
-way, seeds 1 to 16). The plant figures quoted before this rule was made were measured
-without it. Otherwise, if the
+way, seeds 1 to 16). The other plant figures in this docstring (all but the pace's) were
+measured before this rule was made. Otherwise, if the
 smallest prediction of all fits, the request is held in the router until a slot frees on one
 of the workers it fits on even if the slot comes at the wait's upper bound (earliest deadline
 first, ``core/held.py``), its deadline the latest dispatch that leaves room for its prefill
