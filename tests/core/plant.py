@@ -2,10 +2,12 @@
 
 - Each engine runs ``slots`` requests at once; the others wait at it, first come first served.
 - A request that gets a slot is prefilled in the engine's shared, serial prefill stage
-  (continuous batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``,
-  then its first token comes ``overhead_s`` later; it then decodes ``output_tokens`` at
-  ``decode_s_per_token`` and frees its slot. ``slowdown`` multiplies both per-token costs
-  (a worker that becomes slower: :meth:`Sim.slow_down`). With ``chunk_tokens``, a request's
+  (continuous batching: prompts ahead of it in prefill delay it) at ``prefill_s_per_token``
+  and ``prefill_fixed_s`` a request (an engine whose every prompt costs a batch of its own,
+  as llama.cpp's on a CPU), then its first token comes ``overhead_s`` later; it then
+  decodes ``output_tokens`` at ``decode_s_per_token`` and frees its slot. ``slowdown``
+  multiplies its prefill and per-token costs (a worker that becomes slower:
+  :meth:`Sim.slow_down`). With ``chunk_tokens``, a request's
   decode streams chunks of that many tokens, each at the slowdown of its time, and the
   router sees each (:meth:`Router.tokens`); without, the decode is one span, timed at start.
 - Arrivals are Poisson (seeded), prompt and output lengths uniform; :meth:`Sim.add` adds
@@ -33,6 +35,7 @@ from functools import partial
 class Params:
     slots: int = 8
     prefill_s_per_token: float = 0.0001  # 100 ms per 1000 prompt tokens
+    prefill_fixed_s: float = 0.0
     overhead_s: float = 0.01
     decode_s_per_token: float = 0.01
     prompt_tokens: tuple[int, int] = (100, 2000)
@@ -44,7 +47,7 @@ class Params:
 
     def mean_service(self) -> float:
         """Mean time a request holds a slot with no prefill contention."""
-        p = sum(self.prompt_tokens) / 2 * self.prefill_s_per_token
+        p = sum(self.prompt_tokens) / 2 * self.prefill_s_per_token + self.prefill_fixed_s
         d = sum(self.output_tokens) / 2 * self.decode_s_per_token
         return p + self.overhead_s + d
 
@@ -120,7 +123,7 @@ class Engine:
     def _start(self, req: Request, now: float) -> None:
         self.running += 1
         p = self.params
-        prefill = req.prompt * p.prefill_s_per_token * self.slowdown
+        prefill = (req.prompt * p.prefill_s_per_token + p.prefill_fixed_s) * self.slowdown
         done = max(now, self.prefill_free_at) + prefill
         self.prefill_free_at = done
         first = done + p.overhead_s

@@ -260,6 +260,7 @@ async def test_a_worker_without_queue_fields_is_predicted_from_the_gateways_timi
             assert {WAITING, ACTIVE, TOTAL} <= set(view["missing"])
             assert view["completion_rate_per_s"] is None  # no slot count: no full worker yet
             assert view["gateway_delay_ms"] >= 0 and view["prefill_overhead_ms"] > 0
+            assert 0 <= view["prefill_serial"] <= 1
         finally:
             pub.close()
 
