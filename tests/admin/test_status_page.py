@@ -375,7 +375,13 @@ def test_rendered_page_shows_the_target_held_requests_share_met_and_predictions(
         assert int(page.locator(f"{model_row} td.rejected").inner_text()) == 1
         assert page.locator("#chart rect.o-deadline").count() >= 1
         dl = page.locator(f"{worker_row} td.dl").inner_text()
-        for part in ("predicted wait ", "prefill ", " ms / 1k tokens", "completions "):
+        for part in (
+            "predicted wait ",
+            "prefill ",
+            " ms / 1k tokens",
+            "completions ",
+            " % of the prefill ahead",
+        ):
             assert part in dl, (part, dl)
         assert "not measured" not in dl  # the completion rate is measured
         assert "from the engine's slots" in dl and "target unreachable" not in dl
