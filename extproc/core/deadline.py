@@ -698,10 +698,6 @@ class WorkerEstimate:
         hazard = sum(1.0 / age if age > longest else 1.0 / service for age in self.ages(now))
         return min(rate, hazard) if hazard > 0 else rate
 
-    def pending_tokens(self, now: float) -> int:
-        """Prompt tokens of the requests started here and not yet at their first token."""
-        return self.pending(now)[0]
-
     def pending(self, now: float) -> tuple[int, float]:
         """The requests started here and not yet at their first token: their prompt tokens,
         and the seconds of their predicted prefill still to run (none past its prediction)."""
