@@ -224,7 +224,8 @@ busy by the thresholds, which stay ceilings) and :func:`decide`. A :class:`Hold`
 the model's :class:`HeldQueue` with its deadline and workers. On every stream end, load
 report and held deadline, the path calls :meth:`HeldQueue.expire` (those get the overload
 reply) and :func:`~extproc.core.held.fill_slots` with each worker's
-:meth:`WorkerEstimate.free_slots`, and dispatches what it returns.
+:meth:`WorkerEstimate.free_slots`, and dispatches what it returns, each held request only to
+a worker where it still fits now (:func:`fits_now`).
 
 Pure: plain values, times passed in, no I/O.
 """
@@ -1087,6 +1088,24 @@ def still_fits(
     answer it now rather than at its deadline."""
     left = target_s - (now - arrived)
     return any(p.ttft is not None and p.ttft - p.wait_low <= left for p in predictions)
+
+
+def fits_now(
+    est: WorkerEstimate,
+    prompt_tokens: int,
+    target_s: float,
+    arrived: float,
+    now: float,
+    lenient: bool = False,
+) -> bool:
+    """Whether a held request (``arrived`` at the router) sent now to a free slot of
+    ``est``'s worker still gets its first token within its target: its prefill there now
+    (with the prefill of the requests started before it and not yet at their first token, at
+    the worker's pace), the gateway and, unless ``lenient``, the prefill's spread, as a
+    request dispatched on arrival is judged."""
+    p = predict_ttft(est, prompt_tokens, 0, now)
+    spread = 0.0 if lenient else p.prefill_spread
+    return now + p.prefill + p.gateway + spread <= arrived + target_s
 
 
 def _ttft(p: Prediction) -> float:

@@ -12,12 +12,18 @@ request's deadline or the periodic re-decision (a timer per model). A pump
    held request when it is in the request's endpoint subset (when a gateway named one), the
    thresholds leave it free for the request's class and it has a slot free (its
    :meth:`~extproc.core.deadline.WorkerEstimate.free_slots`; a worker that never showed a
-   limit always has one), and the request fits there now: the worker's idle TTFT for it
-   (prefill at the worker's pace now, and gateway delay) still ends before its deadline,
-   whether or not it was held for that worker (one that slowed down since, its pace risen,
-   no longer takes it: on llama.cpp with a worker paused half of every 100 ms, the requests
-   late on it had been held a median 0.6 s and then sent to it by the worker set of their
-   hold). So no slot sits idle while a request that fits waits;
+   limit always has one), and the request fits there now
+   (:func:`~extproc.core.deadline.fits_now`): its predicted prefill there now (at the
+   worker's pace, after the prefill still ahead of it there: requests sent before it and not
+   yet at their first token), the gateway delay and the prefill's spread (not for a request
+   admitted on its mean, the best of several classes) still end by its arrival plus its
+   target, whether or not it was held for that worker. One that slowed down since, its pace
+   risen, no longer takes it: on llama.cpp with a worker paused half of every 100 ms, the
+   requests late on it had been held a median 0.6 s and then sent to it by the worker set of
+   their hold. Nor does one whose free slot is behind another request's prefill that leaves
+   it too little time: judged on its own prefill alone, a held request went to a llama.cpp
+   worker still prefilling a request sent just before it, and came late. So no slot sits
+   idle while a request that fits waits;
 4. decides every request still held again with the prediction of now, behind the held
    requests before it (:meth:`~extproc.core.latency.DeadlineAdmission.recheck`): one whose
    mean predicted TTFT no longer fits what is left of its target on any worker gets the
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.background import HELD_TIMER, Guard
-from extproc.core.deadline import Hold, Reject
+from extproc.core.deadline import Hold, Reject, fits_now
 from extproc.core.latency import DeadlineAdmission
 from extproc.core.pool import WorkerPool
 from extproc.core.scheduling import is_free
@@ -79,6 +85,7 @@ class Waiter:
     since: float
     future: asyncio.Future[Any] = field(repr=False)
     only: frozenset[str] | None = None  # the workers it may go to (a gateway's subset)
+    lenient: bool = False  # judged on its mean prediction (the best of several classes)
 
     def may_use(self, worker: Worker) -> bool:
         return self.only is None or worker.worker_id in self.only
@@ -126,18 +133,20 @@ class HeldRequests:
         class_name: str,
         arrived: float,
         only: frozenset[str] | None = None,
+        lenient: bool = False,
     ) -> tuple[asyncio.Future[Any], float]:
         """Hold request ``key`` (its deadline capped at :data:`HOLD_MAX_SECONDS` from now);
         returns the future its reply (or the plain rule's decision) is set on, and how
         long Envoy must wait for it (s). ``only``: the ids of the workers it may go to (a
-        gateway's endpoint subset); None: any of its model's."""
+        gateway's endpoint subset); None: any of its model's. ``lenient``: it was admitted
+        on its mean prediction (the best of several classes), and a slot is judged so."""
         now = self.pool.clock()
         deadline = min(decision.deadline, now + HOLD_MAX_SECONDS)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.admission.queue(model).push(key, deadline, now, decision.workers or None)
         self.waiters[key] = Waiter(
-            key, model, prompt_tokens, variant, class_name, arrived, now, future, only
+            key, model, prompt_tokens, variant, class_name, arrived, now, future, only, lenient
         )
         self._arm(model)
         return future, deadline - now
@@ -224,9 +233,9 @@ class HeldRequests:
                 if not is_free(worker, w.variant, now):
                     continue
                 # Whether it fits there now, held for that worker or not (the module's rule).
-                idle = admission.estimate(wid).idle_ttft(w.prompt_tokens)
+                est = admission.estimate(wid)
                 target = admission.target_s(model, w.class_name) or 0.0
-                if now + idle > w.arrived + target:
+                if not fits_now(est, w.prompt_tokens, target, w.arrived, now, w.lenient):
                     continue
                 q.remove(h.key)
                 free[wid] -= 1

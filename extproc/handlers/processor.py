@@ -646,6 +646,7 @@ class ExtProcHandler:
                 class_name=cls.name if cls is not None else "",
                 arrived=st.deadline_from,
                 only=None if subset is None else frozenset(w.worker_id for w in workers),
+                lenient=self.admission.best_class(cls.priority if cls is not None else 0),
             )
             extension = self.replies.extension(extension_seconds(wait))
             return extension, self._wait_held(st, future)

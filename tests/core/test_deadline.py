@@ -53,6 +53,7 @@ from extproc.core.deadline import (
     Reject,
     WorkerEstimate,
     decide,
+    fits_now,
     pool_wait,
     predict_all,
     predict_ttft,
@@ -707,6 +708,24 @@ def prefill_after(est: WorkerEstimate, t: float, seconds: Sequence[float]) -> fl
         est.ended(("p", t, i), t + took + 1.0, output_tokens=50)
         t += took + 1.5
     return t
+
+
+def test_a_held_request_fits_a_free_slot_with_the_prefill_ahead_and_its_spread() -> None:
+    """A held request sent to a free slot now: judged on its prefill there now, after the
+    prefill of a request started before it, with the spread (without it when admitted on
+    its mean); not on its idle prefill alone."""
+    est = WorkerEstimate("w")
+    t = prefill_after(est, 0.0, [0.4, 0.6] * 10)  # 0.5 s, off by 0.1 s either way
+    spread = predict_ttft(est, 1000, 0, t).prefill_spread
+    assert est.idle_ttft(1000) == pytest.approx(0.5, abs=0.02)
+    assert spread == pytest.approx(0.2, abs=0.03)
+    arrived = t - 1.0  # held 1 s of a 1.65-s target: 0.65 s left
+    assert fits_now(est, 1000, 1.65, arrived, t, lenient=True)
+    assert not fits_now(est, 1000, 1.65, arrived, t)  # 0.5 + 0.2 > 0.65
+    assert fits_now(est, 1000, 1.8, arrived, t)
+    est.dispatched("ahead", 1000, t)  # its 1000 tokens are prefilled with this one's
+    assert predict_ttft(est, 1000, 0, t).prefill == pytest.approx(0.73, abs=0.02)
+    assert not fits_now(est, 1000, 1.65, arrived, t, lenient=True)  # 0.73 > 0.65
 
 
 @contextlib.contextmanager

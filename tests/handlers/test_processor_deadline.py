@@ -352,6 +352,65 @@ async def test_a_held_request_is_not_sent_to_a_worker_that_slowed_down_since() -
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
 
 
+def learn_serial(handler: ExtProcHandler, clock: Clock, wid: str, n: int = 30) -> None:
+    """``n`` pairs of requests on ``wid``: the second sent 0.1 s into the first's prefill of
+    0.5 s, whose rest it waits for before its own (an engine that prefills one request at a
+    time); each 1 s in all after its first byte."""
+    admission = handler.admission
+    assert admission is not None
+    worker = handler.pool.workers[wid]
+    for i in range(n):
+        x, y = ("x", wid, i), ("y", wid, i)
+        t = clock.t
+        admission.dispatched(x, worker, 100, t, t)
+        admission.dispatched(y, worker, 100, t + 0.1, t + 0.1)
+        admission.first_byte(x, worker, t + 0.5)
+        admission.first_byte(y, worker, t + 1.0)
+        admission.ended(x, worker, t + 3.0, 10)
+        admission.ended(y, worker, t + 3.5, 10)
+        clock.t = t + 3.6
+
+
+async def test_a_held_request_is_not_sent_to_a_slot_behind_a_prefill_that_makes_it_late() -> None:
+    """One worker of 2 slots that prefills one request at a time (0.5 s each); both slots
+    stream, and two requests are held. Both streams end at once: the first held request takes
+    a slot, and the second, sent to the other slot now, would wait for the first one's
+    prefill before its own: 1 s, past what is left of its target, although its own prefill
+    (0.5 s, what was judged before this rule) fits. It is not sent there."""
+    handler, clock = make(target_ms=2500.0, slots=2)
+    learn_serial(handler, clock, "a")
+    admission = handler.admission
+    assert admission is not None and handler.held is not None
+    est = admission.estimate("a")
+    assert est.fit.serial > 0.5  # learnt: a request waits for the prefill still ahead of it
+    r1, _ = send(handler, "r1")
+    r2, _ = send(handler, "r2")
+    for s in (r1, r2):
+        s.receive(response_headers(200, extra=SSE))
+    clock.t += 0.5
+    r1.receive(chunk(1))
+    clock.t += 0.5
+    r2.receive(chunk(1))
+    _, raw3 = send(handler, "r3")
+    _, raw4 = send(handler, "r4")
+    assert isinstance(raw3, tuple) and isinstance(raw4, tuple)
+    t3, t4 = asyncio.ensure_future(raw3[1]), asyncio.ensure_future(raw4[1])
+    clock.t += 1.5
+    r1.receive(chunk(1, end=True))
+    r1.close()
+    assert destination(parsed(await asyncio.wait_for(t3, 1))) == "127.0.0.1:1"
+    left = 2.5 - 1.5  # of r4's target
+    assert admission.estimate("a").idle_ttft(100) < left  # what the rule judged before
+    r2.receive(chunk(1, end=True))
+    r2.close()
+    await asyncio.sleep(0)
+    assert not t4.done()
+    clock.t += left  # r4's target is past: it gets the deadline reply, never a late slot
+    handler.held.pump("m")
+    status, hdrs, _ = local(parsed(await asyncio.wait_for(t4, 1)))
+    assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
+
+
 async def test_a_client_that_goes_away_while_held_releases_everything() -> None:
     handler, clock = make(target_ms=5000.0)
     learn(handler, clock, "a")
