@@ -219,9 +219,14 @@ running requests outlive the recent ones.
 How the request path uses it: one :class:`WorkerEstimate` per worker, told of every
 dispatch, first body byte, stream end and load report. For a request: ``held_ahead`` =
 :meth:`HeldQueue.ahead_of` its would-be deadline (arrival + target - the smallest
-:meth:`WorkerEstimate.idle_ttft`), then :func:`predict_all` over the candidate workers (not
-busy by the thresholds, which stay ceilings) and :func:`decide`. A :class:`Hold` is pushed on
-the model's :class:`HeldQueue` with its deadline and workers. On every stream end, load
+:meth:`WorkerEstimate.idle_ttft` with the prefill's spread), then :func:`predict_all` over the
+candidate workers (not busy by the thresholds, which stay ceilings) and :func:`decide`. A
+:class:`Hold` is pushed on the model's :class:`HeldQueue` with its deadline, the deadline it
+is served by and its workers. Held requests are served earliest deadline first, each by the
+deadline its prediction's spread gives it: a request of the best class, judged on its mean,
+is answered at the later deadline its mean gives it, but ordered with the spread like every
+other (ordered by the later one, it would go after the lesser classes' requests of the same
+target that arrived with it). On every stream end, load
 report and held deadline, the path calls :meth:`HeldQueue.expire` (those get the overload
 reply) and :func:`~extproc.core.held.fill_slots` with each worker's
 :meth:`WorkerEstimate.free_slots`, and dispatches what it returns, each held request only to
@@ -993,6 +998,10 @@ class Hold:
     wait: float
     deadline: float
     workers: frozenset[str] = frozenset()
+    # A request of the best class (judged on its mean): the deadline it is served by among
+    # the held requests, the one its prediction's spread would give it, as every other
+    # request's deadline counts it. None: served by ``deadline``.
+    order: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1044,6 +1053,7 @@ def decide(
     if not target_s > 0:
         raise ValueError(f"target_s: {target_s!r}; expected a number > 0")
     spreads = {p.worker: p.spread for p in predictions}
+    prefill_spreads = {p.worker: p.prefill_spread for p in predictions}
     if lenient:
         predictions = [replace(p, wait_spread=0.0, prefill_spread=0.0) for p in predictions]
     start = now if arrived is None else arrived
@@ -1067,7 +1077,10 @@ def decide(
         workers = [(cost, w) for cost, w in ends if slot_by + cost <= start + target_s]
         slowest = max(cost for cost, _ in workers)
         deadline = start + target_s - slowest
-        return Hold(best.worker, wait, deadline, frozenset(w for _, w in workers))
+        order = None
+        if lenient:  # served by the deadline its spread would give it
+            order = start + target_s - max(cost + prefill_spreads[w] for cost, w in workers)
+        return Hold(best.worker, wait, deadline, frozenset(w for _, w in workers), order)
     idle = min(p.idle for p in predictions)
     waits = [p.wait for p in predictions if p.wait is not None]
     if not waits:

@@ -238,12 +238,16 @@ class DeadlineAdmission:
         now: float,
     ) -> list[Prediction]:
         """Every candidate's predicted TTFT for a request of ``model`` that arrived at
-        ``arrived``, behind the held requests whose deadline comes before its own."""
+        ``arrived``, behind the held requests served before it: those whose deadline (with
+        its spread, as they are served by) comes before the one it would have."""
         ests = [self.estimate(w.worker_id) for w in candidates]
         held_ahead = 0
         queue = self.held.get(model)
         if queue:
-            idle = min(e.idle_ttft(prompt_tokens) for e in ests)
+            idle = min(
+                e.idle_ttft(prompt_tokens) + PREFILL_MARGIN * (e.fit.abs_residual.get() or 0.0)
+                for e in ests
+            )
             held_ahead = queue.ahead_of(arrived + target_s - idle)
         return predict_all(ests, prompt_tokens, held_ahead, now)
 

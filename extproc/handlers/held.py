@@ -144,7 +144,9 @@ class HeldRequests:
         deadline = min(decision.deadline, now + HOLD_MAX_SECONDS)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self.admission.queue(model).push(key, deadline, now, decision.workers or None)
+        self.admission.queue(model).push(
+            key, deadline, now, decision.workers or None, decision.order
+        )
         self.waiters[key] = Waiter(
             key, model, prompt_tokens, variant, class_name, arrived, now, future, only, lenient
         )
@@ -303,10 +305,11 @@ class HeldRequests:
         if not q:
             self.admission.held.pop(model, None)
             return
-        first = next(iter(q))
+        first = q.first_deadline()
+        assert first is not None  # the queue is not empty
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to time
             loop = asyncio.get_running_loop()
-            due = max(0.0, first.deadline - self.pool.clock()) + TIMER_SLACK
+            due = max(0.0, first - self.pool.clock()) + TIMER_SLACK
             delay = max(at_least, min(due, RECHECK_SECONDS))
             self._timers[model] = loop.call_later(delay, self._fire, model)
 

@@ -515,40 +515,45 @@ def test_retry_after_is_whole_seconds_1_to_60_and_ms_at_least_1(wait: float | No
 # ----- the held queue: properties ------------------------------------------------------------
 
 WORKERS = ("a", "b", "c")
+Entry = tuple[int, frozenset[str] | None, int]
 entries = st.lists(
     st.tuples(
         st.integers(0, 50),  # deadline
         st.one_of(st.none(), st.frozensets(st.sampled_from(WORKERS), min_size=1)),
+        st.integers(0, 10),  # how much earlier it is served by (0: by its deadline)
     ),
     max_size=30,
 )
 
 
-def filled(items: list[tuple[int, frozenset[str] | None]]) -> HeldQueue:
+def filled(items: list[Entry]) -> HeldQueue:
     q = HeldQueue()
-    for i, (deadline, workers) in enumerate(items):
-        q.push(i, float(deadline), 0.0, workers)
+    for i, (deadline, workers, earlier) in enumerate(items):
+        q.push(i, float(deadline), 0.0, workers, float(deadline - earlier) if earlier else None)
     return q
 
 
 @given(entries)
 def test_held_requests_come_out_earliest_deadline_first_ties_in_push_order(
-    items: list[tuple[int, frozenset[str] | None]],
+    items: list[Entry],
 ) -> None:
     q = filled(items)
-    out = [(h.deadline, h.key) for h in q]
+    out = [(h.order, h.key) for h in q]
     assert out == sorted(out)
+    by_key = {h.key: h for h in q}
+    assert [by_key[i].order for i in range(len(items))] == [d - e for d, _, e in items]
+    assert q.first_deadline() == min((float(d) for d, _, _ in items), default=None)
     popped = []
     while (h := q.pop_for("a")) is not None:
         popped.append(h)
-    assert [(h.deadline, h.key) for h in popped] == sorted((h.deadline, h.key) for h in popped)
+    assert [(h.order, h.key) for h in popped] == sorted((h.order, h.key) for h in popped)
     assert all(h.fits("a") for h in popped)
     assert all(not h.fits("a") for h in q)
 
 
 @given(entries, st.dictionaries(st.sampled_from(WORKERS), st.integers(0, 5)))
 def test_no_slot_sits_idle_while_a_request_it_could_take_is_held(
-    items: list[tuple[int, frozenset[str] | None]], free: dict[str, int]
+    items: list[Entry], free: dict[str, int]
 ) -> None:
     q = filled(items)
     before = len(q)
@@ -559,21 +564,23 @@ def test_no_slot_sits_idle_while_a_request_it_could_take_is_held(
         assert used <= n
         if used < n:  # a free slot left: nothing held could go there
             assert all(not h.fits(w) for h in q)
-    for held, w in out:  # each went in deadline order: nothing earlier left for its worker
+    for held, w in out:  # each went in serving order: nothing earlier left for its worker
         assert held.fits(w)
-        order = (held.deadline, held.key)  # keys are the push order: ties go first pushed
-        assert all((h.deadline, h.key) > order or not h.fits(w) for h in q)
+        order = (held.order, held.key)  # keys are the push order: ties go first pushed
+        assert all((h.order, h.key) > order or not h.fits(w) for h in q)
 
 
 @given(entries, st.integers(0, 50))
-def test_expire_takes_exactly_the_late_ones(
-    items: list[tuple[int, frozenset[str] | None]], now: int
-) -> None:
+def test_expire_takes_exactly_the_late_ones(items: list[Entry], now: int) -> None:
+    """By their deadline, whatever order they are served in."""
     q = filled(items)
     gone = q.expire(float(now))
     assert all(h.deadline < now for h in gone)
     assert all(h.deadline >= now for h in q)
     assert len(gone) + len(q) == len(items)
+    left = {h.key for h in q}
+    kept = [i for i in range(len(items)) if i in left]
+    assert [h.key for h in q] == sorted(kept, key=lambda i: (items[i][0] - items[i][2], i))
 
 
 def test_held_queue_cancel_and_count_ahead() -> None:
@@ -583,6 +590,9 @@ def test_held_queue_cancel_and_count_ahead() -> None:
     q.push("z", 7.0, 3.0, frozenset({"b"}))
     assert q.ahead_of(5.0) == 2  # y, and x (a tie goes first)
     assert q.ahead_of(10.0, frozenset({"b"})) == 2  # y (any worker) and z
+    q.push("w", 9.0, 4.0, order=4.0)  # answered at 9, served by 4
+    assert q.ahead_of(4.0) == 2  # y and w
+    assert q.remove("w") is not None
     assert q.oldest_since() == 1.0
     assert q.remove("x") is not None and q.remove("x") is None
     assert "x" not in q and len(q) == 2
@@ -1337,3 +1347,15 @@ def test_lenient_is_judged_on_the_mean_without_the_spread() -> None:
     assert isinstance(decide(full, 1.0, 0.0), Reject)
     held = decide(full, 1.0, 0.0, lenient=True)
     assert isinstance(held, Hold) and held.deadline == pytest.approx(1.0 - 0.1)
+
+
+def test_a_lenient_hold_is_served_by_the_deadline_its_spread_gives() -> None:
+    """Answered at the deadline its mean gives it (1 - 0.1), but served by the one the
+    prefill's spread would give it (1 - 0.1 - 0.15), as a request judged on the spread is."""
+    full = [replace(pred(ttft=0.5, wait=0.3, can_start=False), prefill_spread=0.15)]
+    strict = decide(full, 1.0, 0.0)
+    assert isinstance(strict, Hold)
+    assert strict.order is None and strict.deadline == pytest.approx(0.75)
+    lenient = decide(full, 1.0, 0.0, lenient=True)
+    assert isinstance(lenient, Hold)
+    assert (lenient.deadline, lenient.order) == (pytest.approx(0.9), pytest.approx(0.75))

@@ -514,13 +514,13 @@ CLASS_TARGETS = {
 }
 
 
-def classed() -> tuple[ExtProcHandler, Clock]:
+def classed(table: dict[str, Any] = CLASS_TARGETS) -> tuple[ExtProcHandler, Clock]:
     from extproc.core.classes import ClassRegistry, parse_table
 
     clock = Clock()
     clock.t = 100.0
     pool = WorkerPool(BusyThresholds(), clock=clock)  # no model target, no thresholds
-    registry = ClassRegistry(parse_table(CLASS_TARGETS), pool)
+    registry = ClassRegistry(parse_table(table), pool)
     admission = DeadlineAdmission(pool, registry)
     handler = ExtProcHandler(
         pool, Scheduler(pool), Metrics(), classes=registry, admission=admission
@@ -560,6 +560,47 @@ async def test_each_class_is_judged_by_its_own_target_and_a_class_without_one_is
     finish(other)
     resp = parsed(await asyncio.wait_for(task, 1))
     assert destination(resp) == "127.0.0.1:1"
+
+
+EQUAL_TARGETS = {
+    "default": "standard",
+    "classes": {
+        "critical": {"priority": 0, "ttft_p99_target_ms": 5000},
+        "standard": {"priority": 1, "ttft_p99_target_ms": 5000},
+    },
+}
+
+
+async def test_a_held_request_of_the_best_class_goes_before_a_lesser_one_that_came_after() -> None:
+    """Critical and standard share a 5-s target. A held critical request is judged on its
+    mean, so the deadline it is answered at is later than a standard one's of the same
+    arrival by the prefill's spread (0.1 to 0.3 s to the first byte: 0.2 s); it is served by
+    the deadline with the spread, so it still takes the first slot that frees before a
+    standard request that arrived 0.01 s after it."""
+    handler, clock = classed(EQUAL_TARGETS)
+    admission = handler.admission
+    assert admission is not None
+    worker = handler.pool.workers["a"]
+    for i in range(12):  # prefills of 0.1 and 0.3 s in turn, 1 s a request in all
+        key = ("warm", i)
+        admission.dispatched(key, worker, 100, clock.t, clock.t)
+        admission.first_byte(key, worker, clock.t + (0.1 if i % 2 else 0.3))
+        clock.t += 1.0
+        admission.ended(key, worker, clock.t, 10)
+    spread = admission.estimate("a").fit.abs_residual.get()
+    assert spread is not None and spread > 0.05
+    first, _ = send_class(handler, "standard")  # the one slot
+    _, critical = send_class(handler, "critical")
+    clock.t += 0.01
+    _, standard = send_class(handler, "standard")
+    assert isinstance(critical, tuple) and isinstance(standard, tuple)  # both held
+    critical_task = asyncio.ensure_future(critical[1])
+    standard_task = asyncio.ensure_future(standard[1])
+    finish(first)
+    assert destination(parsed(await asyncio.wait_for(critical_task, 1))) == "127.0.0.1:1"
+    await asyncio.sleep(0)
+    assert not standard_task.done()  # one slot: the standard request still waits
+    standard_task.cancel()
 
 
 def test_non_streamed_responses_teach_the_completion_rate_and_nothing_else() -> None:
