@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.core.classes import ClassRegistry
 from extproc.core.deadline import (
@@ -261,13 +261,16 @@ class DeadlineAdmission:
         now: float,
         retry: bool = False,
         priority: int = 0,
+        numbered: bool = False,
     ) -> tuple[Decision, list[Prediction]]:
         """Dispatch, hold or reject one request (``candidates``: not empty, not busy by
         the thresholds); with the predictions it was decided on. ``retry``: the client says
         this is a retry of a refused attempt; ``priority``: its class's (lower goes first).
         While a first attempt of the model of that priority or a better one was refused
         within :data:`YIELD_SECONDS`, a retry is refused too (``yielded``), with the wait
-        that decision gave or what is left of that second, whichever is longer."""
+        that decision gave or what is left of that second, whichever is longer. So a first
+        attempt refused now, from a client that numbers its attempts (``numbered``), is
+        told to wait at least :data:`YIELD_SECONDS`: its retry, sooner, would be refused."""
         preds = self.predictions(model, candidates, prompt_tokens, target_s, arrived, now)
         decision = decide(preds, target_s, now, arrived, lenient=self.best_class(priority))
         refused = self.refused_at.setdefault(model, {})
@@ -281,6 +284,8 @@ class DeadlineAdmission:
             return Reject(max(YIELD_SECONDS - since, wait or 0.0), yielded=True), preds
         if not retry and type(decision) is Reject:
             refused[priority] = now
+            if numbered and decision.wait is not None and decision.wait < YIELD_SECONDS:
+                decision = replace(decision, wait=YIELD_SECONDS)
         return decision, preds
 
     def told(self, model: str, user_arrived: float, retry_after_ms: int, now: float) -> None:

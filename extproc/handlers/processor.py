@@ -620,6 +620,7 @@ class ExtProcHandler:
             now,
             st.retry,
             st.request_class.priority if st.request_class is not None else 0,
+            st.numbered,
         )
         best = min((p.ttft for p in preds if p.ttft is not None), default=None)
         if best is not None:

@@ -163,6 +163,31 @@ def test_an_sdk_retry_due_after_a_deadline_reply_keeps_its_users_deadline() -> N
     assert destination(parsed(raw)) == "127.0.0.1:1"
 
 
+def test_a_refused_first_attempt_is_told_to_come_back_after_the_second_retries_yield() -> None:
+    """Slot times of 0.3 s and of 2 s: a request that finds the slot taken is predicted to
+    wait about 0.6 s, perhaps 1.9 s, and is refused against a 1.5-s target. Its retry would
+    yield for a second (a first attempt was refused: its own), so a client that numbers its
+    attempts is told to come back after that second, not after the predicted wait; one that
+    numbers none, whose retries do not yield, after the predicted wait. The retry that comes
+    when told, the slot free again, is routed (its user's target has 0.5 s left)."""
+    handler, clock = make(target_ms=1500.0)
+    learn(handler, clock, "a", n=6, scale=0.3, prefill_s=0.1)
+    learn(handler, clock, "a", n=2, scale=2.0, prefill_s=0.1)
+    first, _ = send(handler, "r1")  # takes the only slot
+    clock.t += 0.05
+    _, raw = send(handler, "plain")
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and int(hdrs["retry-after-ms"]) < 1000  # the predicted wait
+    _, raw = send(handler, "sdk", retry_count=0)
+    status, hdrs, _ = local(parsed(raw))
+    assert status == 529 and int(hdrs["retry-after-ms"]) == 1000
+    assert "x-should-retry" not in hdrs
+    finish(first)
+    clock.t += 1.0
+    _, raw = send(handler, "sdk-retry", retry_count=1)
+    assert destination(parsed(raw)) == "127.0.0.1:1"
+
+
 def test_a_refusal_no_retry_can_turn_into_a_first_token_in_time_says_not_to_retry() -> None:
     """The OpenAI SDK numbers its attempts (``x-stainless-retry-count``), so its retry will
     count from this first attempt. Refused with a wait of about 1 s against a 500 ms target,
