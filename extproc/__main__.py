@@ -9,6 +9,8 @@ import sys
 from extproc.service import serve
 from extproc.settings import SettingsError, load_settings
 
+QUIET_AT_DEBUG = ("hpack", "h2")  # third-party loggers kept at INFO or above
+
 
 def main(argv: list[str] | None = None) -> int:
     try:
@@ -21,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # DEBUG is for the service's own lines: the HTTP/2 libraries would log every header
+    # they decode (a dozen lines a request).
+    for name in QUIET_AT_DEBUG:
+        logging.getLogger(name).setLevel(max(logging.INFO, logging.getLogger().level))
     try:
         import uvloop
     except ImportError:

@@ -625,12 +625,16 @@ class ExtProcHandler:
         best = min((p.ttft for p in preds if p.ttft is not None), default=None)
         if best is not None:
             self.metrics.predicted_ttft.labels(model).observe(best)
+        # A retry refused because its user's target is past is not sent to measure a worker.
+        late = st.deadline_from < st.arrived
+        probe = None
+        if type(decision) is not Dispatch and not late:
+            probe = self.admission.probe(decision, preds, now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", _explain(st, decision, preds, target_s, now, probe))
         if type(decision) is Dispatch:
             worker = next(w for w in candidates if w.worker_id == decision.worker)
             return self._route_to(st, worker, preds)
-        # A retry refused because its user's target is past is not sent to measure a worker.
-        late = st.deadline_from < st.arrived
-        probe = None if late else self.admission.probe(decision, preds, now)
         if probe is not None:  # unreachable: measured again, once a second per worker
             worker = next(w for w in candidates if w.worker_id == probe)
             return self._route_to(st, worker, preds)
@@ -738,13 +742,28 @@ class ExtProcHandler:
         prediction now, which leaves out the time it was held."""
         assert isinstance(key, _Stream) and self.admission is not None
         est = self.admission.estimate(worker.worker_id)
-        pred = predict_ttft(est, key.prompt_tokens, 0, self.pool.clock())
+        now = self.pool.clock()
+        pred = predict_ttft(est, key.prompt_tokens, 0, now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "deadline held, sent: request_id=%s model=%s worker=%s held_ms=%.1f"
+                " prefill_ms=%.1f",
+                key.request_id or "-", key.model, worker.worker_id,
+                (now - (key.held_since or now)) * 1000, pred.prefill * 1000,
+            )  # fmt: skip
         if key.held_prediction is not None:
             pred = replace(pred, ttft=key.held_prediction)
         return self._route_to(key, worker, [pred])
 
     def _deadline_held(self, key: Hashable, decision: Reject) -> bytes:
         assert isinstance(key, _Stream)
+        if log.isEnabledFor(logging.DEBUG):
+            now = self.pool.clock()
+            log.debug(
+                "deadline held, refused: request_id=%s model=%s held_ms=%.1f retry_after_ms=%d",
+                key.request_id or "-", key.model,
+                (now - (key.held_since or now)) * 1000, decision.retry_after_ms,
+            )  # fmt: skip
         return self._deadline_reply(key, decision)
 
     def _plain_held(self, key: Hashable) -> bytes | Queued:
@@ -881,6 +900,49 @@ class ExtProcHandler:
                         break
         except Exception:  # an observer must never break the stream
             log.exception("error counting output tokens; ignored")
+
+
+def _explain(
+    st: _Stream,
+    decision: Dispatch | Hold | Reject,
+    preds: list[Prediction],
+    target_s: float,
+    now: float,
+    probe: str | None,
+) -> str:
+    """One line for the debug log: why deadline admission dispatched, held or refused a
+    request (each candidate's prediction and its parts, in ms)."""
+
+    def ms(seconds: float | None) -> str:
+        return "unknown" if seconds is None else f"{seconds * 1000:.1f}"
+
+    cls = st.request_class
+    head = (
+        f"deadline {type(decision).__name__.lower()}: request_id={st.request_id or '-'}"
+        f" model={st.model} class={cls.name if cls is not None else '-'}"
+        f" prompt_tokens={st.prompt_tokens} retry={'yes' if st.retry else 'no'}"
+        f" target_ms={ms(target_s)} left_ms={ms(target_s - (now - st.deadline_from))}"
+    )
+    if isinstance(decision, Dispatch):
+        head += f" worker={decision.worker}"
+    elif isinstance(decision, Hold):
+        head += f" worker={decision.worker} wait_ms={ms(decision.wait)}"
+        head += f" hold_until_ms={ms(decision.deadline - now)}"
+    else:
+        head += f" retry_after_ms={decision.retry_after_ms}"
+        if decision.yielded:
+            head += " yielded=yes"
+        if decision.unreachable:
+            head += " unreachable=yes"
+        if probe is not None:
+            head += f" probe={probe}"
+    parts = [
+        f"{p.worker}: ttft_ms={ms(p.ttft)} spread_ms={ms(p.spread)} wait_ms={ms(p.wait)}"
+        f" prefill_ms={ms(p.prefill)} gateway_ms={ms(p.gateway)} ahead={p.ahead:g}"
+        f" slot_free={'yes' if p.can_start else 'no'} occupancy={p.occupancy}"
+        for p in preds
+    ]
+    return " | ".join([head, *parts])
 
 
 def _predicted_header(ttft_s: float, phase: str) -> bytes:

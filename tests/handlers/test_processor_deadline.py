@@ -4,6 +4,7 @@ workers with one slot each whose measured service time is about 1 s."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from typing import Any
 
@@ -303,6 +304,62 @@ async def test_a_held_request_past_its_deadline_gets_the_deadline_reply() -> Non
     assert (status, hdrs["x-shed-reason"]) == (529, "deadline")
     assert int(hdrs["retry-after-ms"]) >= 1
     assert counter(handler, "extproc_decisions_total", outcome="deadline") == 1
+
+
+async def test_with_debug_logging_each_deadline_decision_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At DEBUG, one line per decision names the request, the target, what was left of it,
+    and every candidate's prediction with its parts; a held request's line says how it
+    ended. Above DEBUG nothing is logged."""
+    handler, clock = make(target_ms=2500.0, workers=("a",))
+    learn(handler, clock, "a")
+    with caplog.at_level(logging.INFO, logger="extproc.handlers"):
+        first, raw = send(handler, "r1")
+    assert destination(parsed(raw)) == "127.0.0.1:1"
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="extproc.handlers"):
+        _, raw = send(handler, "r2")  # the slot is taken: held for it (~1 s of 2.5 s)
+        assert isinstance(raw, tuple), raw
+        task = asyncio.ensure_future(raw[1])
+        clock.t += 0.8
+        finish(first)
+        await asyncio.wait_for(task, 1)
+        clock.t += 5.0  # the slot again taken by r2, for longer than the target
+        _, raw = send(handler, "r3")
+    lines = [r.getMessage() for r in caplog.records]
+    hold, sent, reject = lines
+    assert hold.startswith("deadline hold: request_id=r2 model=m class=- prompt_tokens=100")
+    assert " target_ms=2500.0 left_ms=2500.0 worker=a wait_ms=" in hold
+    assert " | a: ttft_ms=" in hold and " slot_free=no occupancy=1" in hold
+    assert sent.startswith(
+        "deadline held, sent: request_id=r2 model=m worker=a held_ms=800.0 prefill_ms=10"
+    )
+    assert reject.startswith("deadline reject: request_id=r3 model=m")
+    assert f" retry_after_ms={local(parsed(raw))[1]['retry-after-ms']}" in reject
+    assert " | a: ttft_ms=" in reject
+
+
+async def test_with_debug_logging_a_held_request_refused_at_its_deadline_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handler, clock = make(target_ms=2500.0)
+    learn(handler, clock, "a")
+    send(handler, "r1")
+    with caplog.at_level(logging.DEBUG, logger="extproc.handlers"):
+        _, raw = send(handler, "r2")
+        assert isinstance(raw, tuple), raw
+        task = asyncio.ensure_future(raw[1])
+        clock.t += 3.0  # the slot never freed
+        assert handler.held is not None
+        handler.held.pump("m")
+        _, hdrs, _ = local(parsed(await asyncio.wait_for(task, 1)))
+    hold, refused = (r.getMessage() for r in caplog.records)
+    assert hold.startswith("deadline hold: request_id=r2 ")
+    assert refused == (
+        "deadline held, refused: request_id=r2 model=m held_ms=3000.0 "
+        f"retry_after_ms={hdrs['retry-after-ms']}"
+    )
 
 
 async def test_the_deadline_timer_answers_a_held_request_without_any_event() -> None:

@@ -317,3 +317,33 @@ async def test_non_streamed_2xx_through_a_filter_that_sends_no_body_measure_the_
         assert view["completion_rate_per_s"] is not None
         shortest = min(r.done for r in done) * 1000
         assert 0.5 * shortest <= view["service_ms"] <= 1.5 * max(r.done for r in done) * 1000
+
+
+async def test_at_debug_the_extproc_logs_why_a_request_was_refused_and_nothing_of_http2(
+    tmp_path: Path,
+) -> None:
+    """``--log-level DEBUG``: the deadline reply's request is in the extproc's log with its
+    target and the worker's prediction; the HTTP/2 libraries' header traces are not."""
+    with sim_stack(tmp_path, ext_args=("--log-level", "DEBUG")) as stack:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            await warm_up(session, stack)
+            assert stack.post({"model": "m", TTFT_TARGET: 300})[0] == 200
+            long = asyncio.ensure_future(request(session, stack.envoy.url, LONG))
+            await occupied(stack)
+            refused = await request(session, stack.envoy.url, SHORT, {"x-request-id": "why-1"})
+            assert (await long).status == 200
+        assert refused.status == 529 and refused.headers["x-shed-reason"] == "deadline"
+        ms = refused.headers["retry-after-ms"]
+
+        def logged() -> str | None:
+            lines = [ln for ln in stack.ext.proc.log().splitlines() if "request_id=why-1" in ln]
+            return lines[0] if lines else None
+
+        await asyncio.to_thread(wait_until, lambda: logged() is not None, 5, "the line")
+        line = logged()
+        assert line is not None and " DEBUG extproc.handlers: deadline reject: " in line
+        assert " model=m " in line and " target_ms=300.0 " in line
+        assert f" retry_after_ms={ms} " in line and " | sim: ttft_ms=" in line
+        assert " slot_free=no " in line
+        log = stack.ext.proc.log()
+        assert "hpack" not in log and " h2." not in log
