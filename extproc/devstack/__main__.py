@@ -183,7 +183,17 @@ class _Restart:
 
 
 def _interrupt(*_: object) -> None:
+    # The stack stops once: a signal that comes while it stops (make passes a SIGINT on
+    # after a SIGTERM to its process group; Ctrl-C pressed twice) would cut the stopping of
+    # the children short and leave them running.
+    signal.signal(signal.SIGTERM, _stopping)
+    signal.signal(signal.SIGINT, _stopping)
     raise KeyboardInterrupt
+
+
+def _stopping(*_: object) -> None:
+    """A signal while the stack stops: nothing more to do (a handler, not SIG_IGN: a signal
+    already caught when the handler changes would be reported as a race)."""
 
 
 def _say(line: str) -> None:
@@ -475,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.send_signal(signal.SIGTERM)
         for proc in reversed(children):
             proc.stop()
+        # Stopped: a later signal has nothing to stop, and ignored it cannot kill the
+        # interpreter as it exits (which restores the default handlers of its own).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

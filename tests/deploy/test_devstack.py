@@ -429,3 +429,35 @@ def test_llama_demo_without_the_engine_says_what_to_install(
     assert expected.format(tmp=tmp_path) in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_second_signal_while_the_demo_stops_leaves_nothing_behind(tmp_path: Path) -> None:
+    """``make demo`` stopped by a signal to its process group: make itself passes on a
+    SIGINT after the SIGTERM, and a user may press Ctrl-C twice. Signals that come while
+    the stack is stopping do not cut its stopping short."""
+    demo = Demo(tmp_path)
+    children: dict[str, int] = {}
+    left: list[str] = []
+    try:
+        children = demo.children()
+        assert set(children) == {"extproc", "envoy", "sim-1", "sim-2"}, children
+        demo.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3.0
+        while demo.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                demo.proc.send_signal(signal.SIGINT)  # again and again while it stops
+            time.sleep(0.02)
+        rc = demo.proc.wait(30)
+        with contextlib.suppress(AssertionError):  # its stopping waited for each of them
+            wait_until(lambda: all(_gone(pid) for pid in children.values()), 5, "stopped")
+        left = [name for name, pid in children.items() if not _gone(pid)]
+    finally:
+        if demo.proc.poll() is None:
+            demo.stop()
+        for pid in children.values():  # whatever the outcome, nothing of it left running
+            if not _gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert not left, (left, demo.output())
+    assert rc == 0, demo.output()
+    assert "Traceback" not in demo.output()
