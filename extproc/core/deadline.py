@@ -156,7 +156,15 @@ router ahead of it::
   tests/core/plant.py streaming chunks of 4 tokens, two workers at 3x, one twice as slow
   for 20 s, seeds 1 to 8: with prefill a large part of a 0.5-s target, 14 requests late in
   that time and 5 s after against 34 from the pace alone; with a 1-s target, 0 against 9;
-  no change before the slowdown (8 and 3 late).
+  no change before the slowdown (8 and 3 late). While the step shows the worker slowed, the
+  pace is the middle of the last ``PACE_SAMPLES`` free-slot requests' ratios when that is
+  larger than the step's, not their smallest: a slowed engine's prompts take at least as
+  much longer as its steps, and may take more. A llama.cpp server on this 2-core CPU, paused
+  for half of every 100 ms at 3x its capacity at target: its steps came 1.6-2.0 times their
+  base, its prompts 2.5-4.6 times the fit, and the smallest of three ratios (1.1-1.3) stayed
+  under the step, so it kept taking requests that came late. Only while the step confirms
+  it: in steady state one prefill in several is far over the fit, and the middle of three
+  would scale every prediction up after two of them.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -554,10 +562,14 @@ class WorkerEstimate:
         """How many times the fit's prefill the worker takes now (the module's rule): the
         smallest ratio of measured to fitted of the last ``PACE_SAMPLES`` free-slot
         requests when each took longer than fitted, or the engine's step pace, whichever is
-        larger; else 1."""
+        larger; while the step pace is up, their middle ratio if larger still; else 1."""
         r = self.ratios
-        paced = 1.0 if not r or len(r) < (r.maxlen or 0) else max(1.0, min(r))
-        return max(paced, self.step_pace())
+        step = self.step_pace()
+        if not r or len(r) < (r.maxlen or 0):
+            return step
+        if step > 1.0:  # the engine as a whole is slower: its prefill, at least as much
+            return max(step, sorted(r)[len(r) // 2])
+        return max(1.0, min(r))
 
     def prefill(self, tokens: float, ahead: float = 0.0) -> float:
         """The predicted prefill of ``tokens`` here now, with ``ahead`` seconds of other

@@ -902,6 +902,41 @@ def test_a_worker_whose_tokens_come_slower_is_predicted_slower_at_once() -> None
     assert fresh.step() is None and fresh.step_pace() == 1.0
 
 
+def paced_after(step_gap: float) -> WorkerEstimate:
+    """A worker of 4 slots that learnt 0.1 s to the first byte with tokens 10 ms apart; then
+    a stream whose first byte takes 1.2 times the fit and whose tokens come ``step_gap``
+    apart, and two requests sent to a free slot meanwhile whose first bytes take 3 times
+    the fit."""
+    est = WorkerEstimate("w")
+    t = streamed(est, 0.0, 20, 0.01)
+    est.load(waiting=0, active=0, total=4)
+    est.dispatched("long", 1000, t)
+    t += 0.12
+    est.first_byte("long", t)
+    for _ in range(STEP_SAMPLES):
+        t += 4 * step_gap
+        est.tokens("long", t, 4)
+    prefill_after(est, t, [0.3, 0.3])
+    return est
+
+
+def test_while_the_step_is_slowed_the_prefill_is_paced_at_the_middle_of_its_last_ratios() -> None:
+    """Tokens twice as slow as when the fit learnt, and the last three free-slot requests at
+    1.2, 3 and 3 times the fit: the prefill is predicted at 3 times the fit (their middle;
+    a slowed engine's prompts may slow more than its steps), not at the step's 2 (with the
+    smallest ratio, 1.2, the larger of the two before). With its tokens as fast as before,
+    the same ratios give 1.2: the smallest, as the pace alone."""
+    slowed = paced_after(0.02)
+    ratios = sorted(slowed.ratios)
+    assert ratios[0] == pytest.approx(1.2, rel=0.05) and ratios[1] == pytest.approx(3, rel=0.1)
+    assert slowed.step_pace() == pytest.approx(2.0, rel=0.1)
+    assert slowed.pace() == pytest.approx(ratios[1])
+    steady_step = paced_after(0.01)
+    assert steady_step.step_pace() == 1.0
+    assert steady_step.pace() == pytest.approx(min(steady_step.ratios))
+    assert steady_step.pace() == pytest.approx(1.2, rel=0.05)
+
+
 @contextlib.contextmanager
 def step_off() -> Iterator[None]:
     """The prefill's pace without the engine's step, for the control."""
