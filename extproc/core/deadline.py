@@ -162,9 +162,13 @@ router ahead of it::
   much longer as its steps, and may take more. A llama.cpp server on this 2-core CPU, paused
   for half of every 100 ms at 3x its capacity at target: its steps came 1.6-2.0 times their
   base, its prompts 2.5-4.6 times the fit, and the smallest of three ratios (1.1-1.3) stayed
-  under the step, so it kept taking requests that came late. Only while the step confirms
+  under the step, so it kept taking requests that came late. Only once the step confirmed
   it: in steady state one prefill in several is far over the fit, and the middle of three
-  would scale every prediction up after two of them.
+  would scale every prediction up after two of them. And from then until a free-slot
+  request's first byte is back within its fit, not only while the step stays up: a slowed
+  server's step swings about the trigger and now and then falls under it while its prompts
+  still take twice the fit or more (on that llama.cpp server, with the rule off whenever
+  the step fell under, a request in each slowdown came late, none with it kept on).
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -390,6 +394,8 @@ class WorkerEstimate:
         self.fit = PrefillFit()
         # The last PACE_SAMPLES free-slot requests' measured over fitted prefill.
         self.ratios: deque[float] = deque(maxlen=PACE_SAMPLES)
+        # The step showed the worker slowed, and no free-slot request was on time since.
+        self.slowed = False
         # The recent chunks of the streams: (seconds since the stream's last chunk, tokens);
         # their time per token (None: not taken since the last chunk); the time and tokens
         # since the fit's last sample; the time per token at the fit's samples.
@@ -488,6 +494,8 @@ class WorkerEstimate:
             # What the next request sent to a free slot will likely take: a request that
             # seemed to wait counts too, as a worker 3x slower looks the same.
             self.ratios.append(elapsed / fitted)
+            if elapsed <= fitted:
+                self.slowed = False
         if not queued:
             self.fit.add(tokens, elapsed, f.ahead)
             seconds, count = self.since_fit
@@ -508,6 +516,8 @@ class WorkerEstimate:
         self._step = None
         self.since_fit[0] += gap
         self.since_fit[1] += count
+        if not self.slowed and self.step_pace() > 1.0:
+            self.slowed = True
 
     def step(self) -> float | None:
         """The engine's step now: the time per token of the recent chunks (None: fewer than
@@ -562,12 +572,13 @@ class WorkerEstimate:
         """How many times the fit's prefill the worker takes now (the module's rule): the
         smallest ratio of measured to fitted of the last ``PACE_SAMPLES`` free-slot
         requests when each took longer than fitted, or the engine's step pace, whichever is
-        larger; while the step pace is up, their middle ratio if larger still; else 1."""
+        larger; once the step pace showed the worker slowed and until a free-slot request is
+        back on time, their middle ratio if larger still; else 1."""
         r = self.ratios
         step = self.step_pace()
         if not r or len(r) < (r.maxlen or 0):
             return step
-        if step > 1.0:  # the engine as a whole is slower: its prefill, at least as much
+        if self.slowed or step > 1.0:  # the engine as a whole slowed: its prefill at least
             return max(step, sorted(r)[len(r) // 2])
         return max(1.0, min(r))
 
