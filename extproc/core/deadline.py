@@ -397,10 +397,12 @@ class WorkerEstimate:
         # The step showed the worker slowed, and no free-slot request was on time since.
         self.slowed = False
         # The recent chunks of the streams: (seconds since the stream's last chunk, tokens);
-        # their time per token (None: not taken since the last chunk); the time and tokens
-        # since the fit's last sample; the time per token at the fit's samples.
+        # their seconds and tokens in all (kept as they come and go: the step is read on
+        # every chunk); the time and tokens since the fit's last sample; the time per token
+        # at the fit's samples.
         self.gaps: deque[tuple[float, int]] = deque(maxlen=STEP_SAMPLES)
-        self._step: float | None = None
+        self.gap_seconds = 0.0
+        self.gap_tokens = 0
         self.since_fit = [0.0, 0]
         self.step_base = Ewma(STEP_BASE_SAMPLES)
         self.service = Ewma()
@@ -512,8 +514,13 @@ class WorkerEstimate:
         last = f.first_byte if f.last_token is None else f.last_token
         f.last_token = now
         gap = max(0.0, now - last)
+        if len(self.gaps) == self.gaps.maxlen:
+            old_gap, old_count = self.gaps[0]
+            self.gap_seconds -= old_gap
+            self.gap_tokens -= old_count
         self.gaps.append((gap, count))
-        self._step = None
+        self.gap_seconds += gap
+        self.gap_tokens += count
         self.since_fit[0] += gap
         self.since_fit[1] += count
         if not self.slowed and self.step_pace() > 1.0:
@@ -522,11 +529,9 @@ class WorkerEstimate:
     def step(self) -> float | None:
         """The engine's step now: the time per token of the recent chunks (None: fewer than
         ``STEP_MIN`` tokens)."""
-        if self._step is None:
-            tokens = sum(c for _, c in self.gaps)
-            if tokens >= STEP_MIN:
-                self._step = sum(g for g, _ in self.gaps) / tokens
-        return self._step
+        if self.gap_tokens < STEP_MIN:
+            return None
+        return max(0.0, self.gap_seconds) / self.gap_tokens
 
     def step_pace(self) -> float:
         """How many times slower the engine's steps are now than when the fit learnt
