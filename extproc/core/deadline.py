@@ -167,8 +167,8 @@ router ahead of it::
   would scale every prediction up after two of them. And from then until a free-slot
   request's first byte is back within its fit, not only while the step stays up: a slowed
   server's step swings about the trigger and now and then falls under it while its prompts
-  still take twice the fit or more (on that llama.cpp server, with the rule off whenever
-  the step fell under, a request in each slowdown came late, none with it kept on).
+  still take twice the fit or more, and each request it takes then, predicted at the
+  smallest ratio, is likely late.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
