@@ -168,7 +168,10 @@ router ahead of it::
   request's first byte is back within its fit, not only while the step stays up: a slowed
   server's step swings about the trigger and now and then falls under it while its prompts
   still take twice the fit or more, and each request it takes then, predicted at the
-  smallest ratio, is likely late.
+  smallest ratio, is likely late. That latch is set only when the prompts agree, their
+  middle ratio ``STEP_TRIGGER`` or more: an engine whose step grows with its batch past the
+  trigger while its prompts stay near the fit has not slowed, and latching it would move
+  its requests to its neighbour for as long as it stays latched.
 - ``gateway``: the router's own delay before dispatch (arrival to dispatch, less any time
   held), averaged like ``service``; it is part of what the client waits and no worker
   shortens it.
@@ -498,6 +501,8 @@ class WorkerEstimate:
             self.ratios.append(elapsed / fitted)
             if elapsed <= fitted:
                 self.slowed = False
+            else:
+                self._latch()
         if not queued:
             self.fit.add(tokens, elapsed, f.ahead)
             seconds, count = self.since_fit
@@ -523,7 +528,17 @@ class WorkerEstimate:
         self.gap_tokens += count
         self.since_fit[0] += gap
         self.since_fit[1] += count
-        if not self.slowed and self.step_pace() > 1.0:
+        self._latch()
+
+    def _latch(self) -> None:
+        """Latch ``slowed`` when the step shows the engine slowed and its prompts agree: the
+        middle of the last ``PACE_SAMPLES`` free-slot ratios is ``STEP_TRIGGER`` or more (the
+        module's rule). An engine whose step grows with its batch, its prompts on time, is
+        not latched."""
+        r = self.ratios
+        if self.slowed or len(r) < (r.maxlen or 0) or self.step_pace() <= 1.0:
+            return
+        if sorted(r)[len(r) // 2] >= STEP_TRIGGER:
             self.slowed = True
 
     def step(self) -> float | None:

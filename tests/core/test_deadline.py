@@ -44,6 +44,7 @@ from extproc.core.deadline import (
     PREFILL,
     STEP_MIN,
     STEP_SAMPLES,
+    STEP_TRIGGER,
     TOTAL,
     WAITING,
     Dispatch,
@@ -904,11 +905,11 @@ def test_a_worker_whose_tokens_come_slower_is_predicted_slower_at_once() -> None
     assert fresh.step() is None and fresh.step_pace() == 1.0
 
 
-def paced_after(step_gap: float) -> WorkerEstimate:
+def paced_after(step_gap: float, prompts: Sequence[float] = (0.3, 0.3)) -> WorkerEstimate:
     """A worker of 4 slots that learnt 0.1 s to the first byte with tokens 10 ms apart; then
     a stream whose first byte takes 1.2 times the fit and whose tokens come ``step_gap``
-    apart, and two requests sent to a free slot meanwhile whose first bytes take 3 times
-    the fit."""
+    apart, and requests sent to a free slot meanwhile whose first bytes take ``prompts``
+    seconds (by default two, 3 times the fit)."""
     est = WorkerEstimate("w")
     t = streamed(est, 0.0, 20, 0.01)
     est.load(waiting=0, active=0, total=4)
@@ -918,7 +919,7 @@ def paced_after(step_gap: float) -> WorkerEstimate:
     for _ in range(STEP_SAMPLES):
         t += 4 * step_gap
         est.tokens("long", t, 4)
-    prefill_after(est, t, [0.3, 0.3])
+    prefill_after(est, t, prompts)
     return est
 
 
@@ -957,6 +958,26 @@ def test_once_the_step_showed_a_slowdown_the_middle_ratio_holds_till_a_prefill_i
     prefill_after(est, 1000.0, [0.9 * est.fit.predict(1000)])
     assert est.ratios[-1] == pytest.approx(0.9)
     assert est.pace() == 1.0
+
+
+def test_a_step_that_slowed_while_the_prompts_stayed_near_the_fit_latches_nothing() -> None:
+    """Tokens twice as slow as when the fit learnt (an engine whose step grows with its
+    batch), while the last three free-slot requests took 1.2, 1.3 and 1.4 times the fit:
+    the middle, 1.3, is under the step's trigger, so the prompts do not show the engine
+    slowed. Once the tokens come as fast as before, the pace is the smallest ratio's (the
+    pace alone), not held at the middle one."""
+    est = paced_after(0.02, [0.13, 0.14])
+    ratios = sorted(est.ratios)
+    assert ratios[1] == pytest.approx(1.3, rel=0.05) and ratios[1] < STEP_TRIGGER
+    assert est.step_pace() == pytest.approx(2.0, rel=0.1)
+    assert not est.slowed
+    t = est.flights["long"].last_token
+    assert t is not None
+    for _ in range(STEP_SAMPLES):
+        t += 4 * 0.01
+        est.tokens("long", t, 4)
+    assert est.step_pace() == 1.0
+    assert est.pace() == pytest.approx(ratios[0])
 
 
 @contextlib.contextmanager
