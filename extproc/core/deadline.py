@@ -804,6 +804,7 @@ class WorkerEstimate:
             "prefill_pace": round(self.pace(), 3),
             "step_ms": None if (step := self.step()) is None else round(step * 1000, 2),
             "step_pace": round(self.step_pace(), 3),
+            "slowed": self.slowed,
             "prefill_spread_ms": round(
                 PREFILL_MARGIN * (self.fit.abs_residual.get() or 0.0) * 1000, 1
             ),

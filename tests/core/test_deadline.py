@@ -955,9 +955,11 @@ def test_once_the_step_showed_a_slowdown_the_middle_ratio_holds_till_a_prefill_i
     assert est.step_pace() == 1.0
     assert est.pace() == pytest.approx(sorted(est.ratios)[1])
     assert est.pace() == pytest.approx(3, rel=0.1)
+    assert est.view(t)["slowed"] is True
     prefill_after(est, 1000.0, [0.9 * est.fit.predict(1000)])
     assert est.ratios[-1] == pytest.approx(0.9)
     assert est.pace() == 1.0
+    assert est.view(1000.0)["slowed"] is False
 
 
 def test_a_step_that_slowed_while_the_prompts_stayed_near_the_fit_latches_nothing() -> None:
@@ -970,7 +972,7 @@ def test_a_step_that_slowed_while_the_prompts_stayed_near_the_fit_latches_nothin
     ratios = sorted(est.ratios)
     assert ratios[1] == pytest.approx(1.3, rel=0.05) and ratios[1] < STEP_TRIGGER
     assert est.step_pace() == pytest.approx(2.0, rel=0.1)
-    assert not est.slowed
+    assert not est.slowed and est.view(0.0)["slowed"] is False
     t = est.flights["long"].last_token
     assert t is not None
     for _ in range(STEP_SAMPLES):
