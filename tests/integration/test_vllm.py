@@ -450,12 +450,19 @@ def test_agent_queue_fields_agree_with_vllms_own_page(s: VllmStack) -> None:
         assert (event.num_requests_waiting, event.request_active_slots) == (0, 0)
         assert event.request_total_slots == MAX_SEQS
         assert (event.active_decode_blocks, event.active_prefill_tokens) == (0, 0)
-    for _ in range(3):
-        hold(s, engine)
-    wait_until(partial(_running, engine, 3), "three running")
-    # Steady in what is compared: the KV blocks grow as the three generate, and a window
-    # steady in those too may come only after they have ended.
-    (_, waiting, running), events = _window(s, engine, steady=lambda v: v[1:])
+    for tries_left in reversed(range(3)):
+        held = [hold(s, engine) for _ in range(3)]
+        wait_until(partial(_running, engine, 3), "three running")
+        # Steady in what is compared: the KV blocks grow as the three generate, and a window
+        # steady in those too may come only after they have ended.
+        (_, waiting, running), events = _window(s, engine, steady=lambda v: v[1:])
+        if running == 3 or not tries_left:
+            break
+        # The three ended before a steady window came (a busy CPU slows the agent's
+        # scrapes, not vLLM's generation): three new ones, from an idle engine.
+        for h in held:
+            h.close()
+        wait_until(partial(_running, engine, 0), "the three ended")
     assert (waiting, running) == (0, 3)
     for event in events:
         assert (event.num_requests_waiting, event.request_active_slots) == (0, 3), event
