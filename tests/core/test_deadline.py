@@ -923,6 +923,17 @@ def paced_after(step_gap: float, prompts: Sequence[float] = (0.3, 0.3)) -> Worke
     return est
 
 
+def steps_as_fitted(est: WorkerEstimate) -> float:
+    """The stream of :func:`paced_after` goes on with its tokens as far apart as when the
+    fit learnt (10 ms) for a whole step window; returns the time of its last chunk."""
+    t = est.flights["long"].last_token
+    assert t is not None
+    for _ in range(STEP_SAMPLES):
+        t += 4 * 0.01
+        est.tokens("long", t, 4)
+    return t
+
+
 def test_while_the_step_is_slowed_the_prefill_is_paced_at_the_middle_of_its_last_ratios() -> None:
     """Tokens twice as slow as when the fit learnt, and the last three free-slot requests at
     1.2, 3 and 3 times the fit: the prefill is predicted at 3 times the fit (their middle;
@@ -947,11 +958,7 @@ def test_once_the_step_showed_a_slowdown_the_middle_ratio_holds_till_a_prefill_i
     yet. A request sent to a free slot whose first byte comes within its fit turns that
     off: the pace is the smallest ratio's again, here 1 (that request's 0.9)."""
     est = paced_after(0.02)
-    t = est.flights["long"].last_token
-    assert t is not None
-    for _ in range(STEP_SAMPLES):
-        t += 4 * 0.01
-        est.tokens("long", t, 4)
+    t = steps_as_fitted(est)
     assert est.step_pace() == 1.0
     assert est.pace() == pytest.approx(sorted(est.ratios)[1])
     assert est.pace() == pytest.approx(3, rel=0.1)
@@ -973,11 +980,7 @@ def test_a_step_that_slowed_while_the_prompts_stayed_near_the_fit_latches_nothin
     assert ratios[1] == pytest.approx(1.3, rel=0.05) and ratios[1] < STEP_TRIGGER
     assert est.step_pace() == pytest.approx(2.0, rel=0.1)
     assert not est.slowed and est.view(0.0)["slowed"] is False
-    t = est.flights["long"].last_token
-    assert t is not None
-    for _ in range(STEP_SAMPLES):
-        t += 4 * 0.01
-        est.tokens("long", t, 4)
+    steps_as_fitted(est)
     assert est.step_pace() == 1.0
     assert est.pace() == pytest.approx(ratios[0])
 
